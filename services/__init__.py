@@ -1,0 +1,1 @@
+"""CPU services of the job group: data-server, reward-server, retrieval-server."""

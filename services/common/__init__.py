@@ -1,0 +1,1 @@
+"""What the three services share: settings, app factory, errors, middleware, clients."""

@@ -1,0 +1,130 @@
+"""The app factory every service builds on, and `serve()` that runs it under uvicorn.
+
+A service supplies its settings, a `load(app)` that fills `app.state` with heavy resources (run in a
+thread after the server is listening, so `/health` answers 503 "loading" meanwhile), and its routes.
+If loading fails the process logs one line and exits non-zero instead of serving a half-ready app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.common.errors import ApiError, install_error_handlers
+from services.common.logs import configure_logging
+from services.common.middleware import (
+    BearerAuthMiddleware,
+    BodyLimitMiddleware,
+    ObservabilityMiddleware,
+    ServiceMetrics,
+)
+from services.common.settings import ServiceSettings
+
+log = logging.getLogger("services.app")
+
+Loader = Callable[[FastAPI], None]
+
+
+def create_service_app(
+    name: str,
+    settings: ServiceSettings,
+    load: Loader | None = None,
+    close: Loader | None = None,
+    version: str = "0.1.0",
+    description: str = "",
+) -> FastAPI:
+    """A FastAPI app with health, metrics, auth, size limits and JSON errors wired in."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_load_in_background(app, load))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            if close is not None and app.state.ready:
+                close(app)
+
+    app = FastAPI(title=name, version=version, description=description, lifespan=lifespan)
+    app.state.service = name
+    app.state.settings = settings
+    app.state.ready = False
+    app.state.load_error = None
+    app.state.health_info = {}
+    app.state.metrics = ServiceMetrics(name)
+
+    install_error_handlers(app)
+    # Outermost first: metrics see every response, auth runs before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.auth_token:
+        app.add_middleware(BearerAuthMiddleware, token=settings.auth_token)
+    app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics)
+
+    @app.get("/health", tags=["ops"])
+    async def health(request: Request) -> JSONResponse:
+        state = request.app.state
+        if state.load_error is not None:
+            return JSONResponse({"status": "failed", "service": name, "error": state.load_error}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading", "service": name}, status_code=503)
+        return JSONResponse({"status": "ok", "service": name, "version": version, **state.health_info})
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _load_in_background(app: FastAPI, load: Loader | None) -> None:
+    try:
+        if load is not None:
+            await asyncio.to_thread(load, app)
+        app.state.ready = True
+        log.info("ready", extra={"service": app.state.service})
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any load failure ends the service the same way
+        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error(f"{app.state.service} failed to load: {app.state.load_error}")
+        server = getattr(app.state, "server", None)
+        if server is not None:
+            server.should_exit = True
+
+
+def require_ready(request: Request) -> Any:
+    """Dependency for routes that need loaded resources: 503 until the load finished."""
+    if not request.app.state.ready:
+        raise ApiError(503, f"{request.app.state.service} is still loading; poll GET /health")
+    return request.app.state
+
+
+def serve(app: FastAPI, settings: ServiceSettings) -> None:
+    """Run under uvicorn; SIGTERM drains in-flight requests (graceful_shutdown_s) before exiting."""
+    import uvicorn
+
+    configure_logging(settings.log_level, settings.log_format)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    app.state.server = server
+    server.run()
+    if app.state.load_error is not None:
+        sys.exit(1)

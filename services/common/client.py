@@ -1,0 +1,236 @@
+"""HTTP clients the trainer (and verl adapters) use to call our services.
+
+One policy for every service:
+- timeouts on every call; bounded retries with full-jitter exponential backoff on connection
+  errors, timeouts, 429 and 5xx (the request bodies we send are idempotent: a batch by cursor,
+  scoring, retrieval);
+- a 4xx other than 429 is the caller's bug and raises at once with the server's message;
+- several replicas (`urls=[...]`): requests round-robin over the healthy ones; a replica that fails
+  is set aside for a cool-down that grows while it keeps failing, and comes back on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("services.client")
+
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class ServiceError(RuntimeError):
+    """A service answered with an error we should not retry, or stayed unreachable after retries."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float, rng: random.Random) -> float:
+    """Full jitter: uniform in [0, min(max, base * 2**attempt)] so retrying clients spread out."""
+    return rng.uniform(0.0, min(max_s, base_s * (2**attempt)))
+
+
+def normalize_urls(urls: str | Sequence[str]) -> list[str]:
+    """Accept one URL, a comma-separated string, or a list; strip trailing slashes."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    cleaned = [u.strip().rstrip("/") for u in items if u and u.strip()]
+    if not cleaned:
+        raise ValueError("no service URL given")
+    return cleaned
+
+
+@dataclass
+class _Replica:
+    url: str
+    failures: int = 0
+    down_until: float = 0.0
+
+
+@dataclass
+class ReplicaSet:
+    """Round-robin over replicas that are not cooling down after a failure."""
+
+    urls: list[str]
+    cooldown_s: float = 1.0
+    max_cooldown_s: float = 30.0
+    replicas: list[_Replica] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replicas = [_Replica(u) for u in self.urls]
+        self._turn = itertools.count()
+
+    def pick(self) -> _Replica:
+        now = time.monotonic()
+        healthy = [r for r in self.replicas if r.down_until <= now]
+        if healthy:
+            return healthy[next(self._turn) % len(healthy)]
+        # Everyone is cooling down: try the one that comes back first rather than failing outright.
+        return min(self.replicas, key=lambda r: r.down_until)
+
+    def mark_failed(self, replica: _Replica) -> None:
+        replica.failures += 1
+        replica.down_until = time.monotonic() + min(
+            self.max_cooldown_s, self.cooldown_s * 2 ** (replica.failures - 1)
+        )
+
+    def mark_ok(self, replica: _Replica) -> None:
+        replica.failures = 0
+        replica.down_until = 0.0
+
+    @property
+    def healthy_urls(self) -> list[str]:
+        now = time.monotonic()
+        return [r.url for r in self.replicas if r.down_until <= now]
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        if isinstance(body, dict) and "error" in body:
+            return str(body["error"])
+    except ValueError:
+        pass
+    return response.text[:500]
+
+
+def _judge(response: httpx.Response, where: str) -> tuple[bool, str]:
+    """(succeeded, problem). Raises at once for a 4xx that retrying cannot fix."""
+    if response.status_code < 400:
+        return True, ""
+    problem = f"{where}: HTTP {response.status_code}: {_error_message(response)}"
+    if response.status_code not in RETRYABLE_STATUS:
+        raise ServiceError(problem, response.status_code)
+    return False, problem
+
+
+class _Policy:
+    """What both clients share: the replicas, the retry budget and the auth header."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        token: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.replicas = ReplicaSet(normalize_urls(urls))
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._rng = random.Random(seed)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class AsyncServiceClient(_Policy):
+    """Async JSON client with retries and replica spreading. Use as `async with` or call `aclose()`."""
+
+    def __init__(self, urls: str | Sequence[str], *, max_connections: int = 64, **policy) -> None:
+        super().__init__(urls, **policy)
+        self._http = httpx.AsyncClient(
+            timeout=self.timeout_s, headers=self.headers, limits=httpx.Limits(max_connections=max_connections)
+        )
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def request(self, method: str, path: str, **kwargs) -> dict | list:
+        last_problem = "no attempt made"
+        for attempt in range(self.retries + 1):
+            replica = self.replicas.pick()
+            try:
+                response = await self._http.request(method, replica.url + path, **kwargs)
+            except httpx.TransportError as exc:  # connect refused, reset, timeouts
+                response, last_problem = None, f"{replica.url}{path}: {type(exc).__name__}: {exc}"
+            if response is not None:
+                done, last_problem = _judge(response, replica.url + path)
+                if done:
+                    self.replicas.mark_ok(replica)
+                    return response.json()
+            self.replicas.mark_failed(replica)
+            if attempt < self.retries:
+                delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng)
+                log.warning("retrying", extra={"problem": last_problem, "attempt": attempt + 1, "delay_s": delay})
+                await asyncio.sleep(delay)
+        raise ServiceError(f"gave up after {self.retries + 1} attempts: {last_problem}")
+
+    async def get(self, path: str, **kwargs) -> dict | list:
+        return await self.request("GET", path, **kwargs)
+
+    async def post(self, path: str, payload: dict, **kwargs) -> dict | list:
+        return await self.request("POST", path, json=payload, **kwargs)
+
+    async def wait_healthy(self, timeout_s: float = 60.0, poll_s: float = 0.5) -> None:
+        """Wait until every replica answers /health with 200; ServiceError naming the laggards if not."""
+        deadline = time.monotonic() + timeout_s
+        pending = {r.url for r in self.replicas.replicas}
+        last: dict[str, str] = {}
+        while pending:
+            for url in sorted(pending):
+                try:
+                    response = await self._http.get(url + "/health", timeout=min(5.0, timeout_s))
+                    if response.status_code == 200:
+                        pending.discard(url)
+                        continue
+                    last[url] = f"HTTP {response.status_code}: {_error_message(response)}"
+                except httpx.TransportError as exc:
+                    last[url] = f"{type(exc).__name__}"
+            if pending and time.monotonic() > deadline:
+                detail = ", ".join(f"{u} ({last.get(u, 'no answer')})" for u in sorted(pending))
+                raise ServiceError(f"not healthy within {timeout_s:.0f}s: {detail}")
+            if pending:
+                await asyncio.sleep(poll_s)
+
+
+class SyncServiceClient(_Policy):
+    """The same policy for synchronous callers (verl's reward hooks run outside an event loop)."""
+
+    def __init__(self, urls: str | Sequence[str], **policy) -> None:
+        super().__init__(urls, **policy)
+        self._http = httpx.Client(timeout=self.timeout_s, headers=self.headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, **kwargs) -> dict | list:
+        last_problem = "no attempt made"
+        for attempt in range(self.retries + 1):
+            replica = self.replicas.pick()
+            try:
+                response = self._http.request(method, replica.url + path, **kwargs)
+            except httpx.TransportError as exc:
+                response, last_problem = None, f"{replica.url}{path}: {type(exc).__name__}: {exc}"
+            if response is not None:
+                done, last_problem = _judge(response, replica.url + path)
+                if done:
+                    self.replicas.mark_ok(replica)
+                    return response.json()
+            self.replicas.mark_failed(replica)
+            if attempt < self.retries:
+                time.sleep(backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng))
+        raise ServiceError(f"gave up after {self.retries + 1} attempts: {last_problem}")
+
+    def post(self, path: str, payload: dict, **kwargs) -> dict | list:
+        return self.request("POST", path, json=payload, **kwargs)
+
+    def get(self, path: str, **kwargs) -> dict | list:
+        return self.request("GET", path, **kwargs)

@@ -1,0 +1,281 @@
+"""Where prompts come from, turned into verl rows (+ uid). Pure functions plus file/hub readers.
+
+A dataset is named on the command line as `NAME=SOURCE`:
+  gsm8k=hub:openai/gsm8k            the Hugging Face dataset (config `main`), through `datasets`
+  gsm8k=/data/gsm8k                 a folder of {train,test}.jsonl or .parquet (GSM8K, verl, QA or MATH rows)
+  nq=/data/nq_search/test.jsonl     one file: served as split `train`... unless named `test.*`
+  arith=synthetic-arith:medium      the built-in generator (easy | medium | hard)
+Row kinds are recognised by their fields: verl (`prompt`, `reward_model`), QA (`question`,
+`golden_answers`), MATH (`problem`, `solution`), GSM8K (`question`, `answer`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.data_server.schemas import GSM8K_INSTRUCTION, MATH_INSTRUCTION
+from services.data_server.synthetic import LEVELS, make_problem
+
+log = logging.getLogger("services.data_server")
+
+GSM8K_SOURCE = "openai/gsm8k"
+MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
+SYNTHETIC_SOURCE = "synthetic-arith"
+SEARCH_INSTRUCTION = (
+    "Answer the question below. Reason inside <think> ... </think> whenever you receive new information. "
+    "If you need facts you do not have, write a search query as <search> query </search>; the results "
+    "come back inside <information> ... </information>. Search as often as you need. When you are sure, "
+    "give only the final answer, with no explanation, inside <answer> ... </answer>, for example "
+    "<answer> Paris </answer>. Question: "
+)
+_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+class DataSourceError(ValueError):
+    """A dataset could not be loaded; the message says which and why, in one line."""
+
+
+@dataclass
+class Dataset:
+    name: str
+    kind: str
+    data_source: str
+    splits: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- row builders (pure)
+
+
+def gsm8k_solution(answer: str) -> str:
+    """verl's extraction: the number after the first '#### ', commas removed."""
+    match = _GSM8K_ANSWER.search(answer)
+    if match is None:
+        raise ValueError("answer has no '#### <number>' line")
+    return match.group(0).split("#### ")[1].replace(",", "")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None if there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def gsm8k_row(question: str, answer: str, split: str, index: int, data_source: str = GSM8K_SOURCE) -> dict:
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": gsm8k_solution(answer)},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+    }
+
+
+def math_row(problem: str, solution: str, split: str, index: int, data_source: str = MATH_SOURCE) -> dict:
+    answer = last_boxed(solution)
+    if answer is None:
+        answer = solution.strip()  # rows that carry the bare answer instead of a worked solution
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": problem + " " + MATH_INSTRUCTION}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": solution, "question": problem},
+    }
+
+
+def qa_row(question: str, golden_answers: list[str], split: str, index: int, data_source: str) -> dict:
+    question = question.strip()
+    if not question.endswith("?"):
+        question += "?"
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": SEARCH_INSTRUCTION + question + "\n"}],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": list(golden_answers)}},
+        "extra_info": {"split": split, "index": index, "question": question},
+    }
+
+
+def verl_row(row: dict, split: str, index: int) -> dict:
+    extra = dict(row.get("extra_info") or {})
+    extra.setdefault("split", split)
+    extra.setdefault("index", index)
+    return {
+        "data_source": row["data_source"],
+        "prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
+        "ability": row.get("ability") or "unknown",
+        "reward_model": dict(row["reward_model"]),
+        "extra_info": extra,
+    }
+
+
+def synthetic_rows(seed: int, split: str, size: int, difficulty: str) -> list[dict]:
+    rows = []
+    for index in range(size):
+        problem = make_problem(seed, split, index, difficulty)  # type: ignore[arg-type]
+        rows.append(gsm8k_row(problem.question, problem.answer, split, index, data_source=SYNTHETIC_SOURCE))
+        rows[-1]["extra_info"]["difficulty"] = difficulty
+    return rows
+
+
+def detect_kind(row: dict) -> str:
+    keys = set(row)
+    if {"prompt", "reward_model", "data_source"} <= keys:
+        return "verl"
+    if {"question", "golden_answers"} <= keys:
+        return "qa"
+    if "problem" in keys and ({"solution", "answer"} & keys):
+        return "math"
+    if {"question", "answer"} <= keys:
+        return "gsm8k"
+    raise ValueError(f"unrecognised row fields {sorted(keys)}")
+
+
+def build_rows(raw_rows: Iterable[dict], split: str, dataset_name: str) -> tuple[str, str, list[dict]]:
+    """(kind, data_source, verl rows) for raw rows of one split."""
+    rows, kind, data_source = [], "", ""
+    for index, raw in enumerate(raw_rows):
+        try:
+            kind = kind or detect_kind(raw)
+            if kind == "verl":
+                row = verl_row(raw, split, index)
+            elif kind == "qa":
+                row = qa_row(raw["question"], raw["golden_answers"], split, index,
+                             raw.get("data_source") or dataset_name)
+            elif kind == "math":
+                row = math_row(raw["problem"], raw.get("solution") or raw["answer"], split, index,
+                               raw.get("data_source") or MATH_SOURCE)
+            else:
+                row = gsm8k_row(raw["question"], raw["answer"], split, index)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataSourceError(f"dataset {dataset_name!r} split {split!r} row {index}: {exc}") from None
+        data_source = data_source or row["data_source"]
+        rows.append(row)
+    if not rows:
+        raise DataSourceError(f"dataset {dataset_name!r} split {split!r} is empty")
+    return kind, data_source, rows
+
+
+def with_uids(rows: list[dict], dataset: str, split: str) -> list[dict]:
+    return [{"uid": f"{dataset}/{split}/{i}", **row} for i, row in enumerate(rows)]
+
+
+# ---------------------------------------------------------------- readers
+
+
+def read_records(path: Path) -> list[dict]:
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        with path.open(encoding="utf-8") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise DataSourceError(f"cannot read {path}: {exc}") from None
+
+
+def split_files(path: Path) -> dict[str, list[Path]]:
+    """Split name -> files. A folder holds `train.jsonl`, `test.parquet`, `train-00000-of-00002.parquet`..."""
+    if not path.exists():
+        raise DataSourceError(f"{path} does not exist")
+    if path.is_file():
+        split = "test" if path.stem.startswith("test") else "train"
+        return {split: [path]}
+    found: dict[str, list[Path]] = {}
+    for file in sorted(path.iterdir()):
+        if file.suffix in (".jsonl", ".parquet"):
+            found.setdefault(re.split(r"[-.]", file.name)[0], []).append(file)
+    if not found:
+        raise DataSourceError(f"{path} holds no .jsonl or .parquet files")
+    return found
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def read_hub(repo: str, config: str | None) -> dict[str, list[dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataSourceError("loading from the hub needs the `datasets` package") from None
+    try:
+        loaded = datasets.load_dataset(repo, config) if config else datasets.load_dataset(repo)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types for the same "could not load"
+        raise DataSourceError(f"cannot load {repo} from the hub: {exc}") from None
+    return {split: loaded[split].to_list() for split in loaded}
+
+
+# ---------------------------------------------------------------- one spec -> one Dataset
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    name, sep, source = spec.partition("=")
+    if not sep:  # a bare well-known name
+        source = {"gsm8k": "hub:openai/gsm8k", "synthetic-arith": "synthetic-arith"}.get(spec, "")
+    if not name or not source or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise DataSourceError(f"bad dataset spec {spec!r}: expected NAME=SOURCE (see --help)")
+    return name, source
+
+
+def load_spec(
+    spec: str,
+    *,
+    seed: int,
+    synthetic_sizes: dict[str, int],
+    reader: Callable[[Path], list[dict]] = read_records,
+) -> Dataset:
+    name, source = parse_spec(spec)
+    if source.startswith("synthetic-arith"):
+        difficulty = source.partition(":")[2] or "easy"
+        if difficulty not in LEVELS:
+            raise DataSourceError(f"dataset {name!r}: difficulty {difficulty!r} is not one of {sorted(LEVELS)}")
+        splits = {split: synthetic_rows(seed, split, size, difficulty) for split, size in synthetic_sizes.items()}
+        dataset = Dataset(name, "synthetic-arith", SYNTHETIC_SOURCE)
+        dataset.splits = {split: with_uids(rows, name, split) for split, rows in splits.items()}
+        return dataset
+    if source.startswith("hub:"):
+        repo, _, config = source[4:].partition(":")
+        raw_splits = read_hub(repo, config or ("main" if repo == GSM8K_SOURCE else None))
+    else:
+        raw_splits = {
+            split: [row for file in files for row in reader(file)]
+            for split, files in split_files(Path(source).expanduser()).items()
+        }
+    dataset = Dataset(name, "", "")
+    for split, raw_rows in raw_splits.items():
+        kind, data_source, rows = build_rows(raw_rows, split, name)
+        dataset.kind, dataset.data_source = dataset.kind or kind, dataset.data_source or data_source
+        dataset.splits[split] = with_uids(rows, name, split)
+    return dataset
+
+
+def precheck_spec(spec: str) -> None:
+    """Cheap checks worth failing on before the server binds its port: syntax and file existence."""
+    _, source = parse_spec(spec)
+    if not source.startswith(("hub:", "synthetic-arith")):
+        split_files(Path(source).expanduser())

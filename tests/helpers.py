@@ -1,0 +1,73 @@
+"""Test helpers: free loopback ports and real service processes (python -m services.X)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
+        try:
+            response = httpx.get(url + "/health", timeout=2.0)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code} {response.text[:200]}"
+        except httpx.TransportError as exc:
+            last = type(exc).__name__
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s: {last}")
+
+
+@contextlib.contextmanager
+def service_process(
+    module: str, *args: str, port: int | None = None, env: dict | None = None, timeout_s: float = 120.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start `python -m <module> <args> --host 127.0.0.1 --port P`, yield (base_url, process) once healthy."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(url, timeout_s, proc)
+        except Exception:
+            stop_process(proc)
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout.read()[-4000:]}") from None
+        yield url, proc
+    finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
