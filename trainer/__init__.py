@@ -1,0 +1,1 @@
+"""Trainer: a GRPO/PPO fit loop with verl-compatible CLI, checkpoints and metrics."""
