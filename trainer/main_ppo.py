@@ -1,0 +1,58 @@
+"""python -m trainer.main_ppo key=value ...   — verl's `main_ppo` command line for this trainer.
+
+Parses YAML files and overrides into the typed Config (trainer/config.py), refuses a bad one with one
+line per problem and exit code 2 before any work, prints the resolved config, then runs the fit loop.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from trainer.config import ConfigError, load_config
+
+USAGE = """\
+usage: python -m trainer.main_ppo [--config FILE.yaml ...] [--dry-run] key=value ...
+
+Train a policy with GRPO / PPO (verl's main_ppo keys). Examples:
+
+  python -m trainer.main_ppo algorithm.adv_estimator=grpo \\
+      data.train_files=~/data/gsm8k/train.parquet data.val_files=~/data/gsm8k/test.parquet \\
+      actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct actor_rollout_ref.rollout.n=5 \\
+      trainer.logger=['console','jsonl']
+
+  python -m trainer.main_ppo --config run.yaml trainer.total_training_steps=10
+
+Values are read like Hydra's: numbers, true/false, null (or None, ~), lists [a,b] or ['a','b'],
+maps {k: v}, quoted strings. `+key=value` is accepted; YAML files (nested keys) apply before overrides.
+--dry-run checks and prints the resolved configuration without training.
+
+Every key, its type, default and meaning: the configuration reference in README.md, or
+  python -m trainer.config --markdown
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(USAGE, end="")
+        return 0
+    dry_run = "--dry-run" in argv
+    argv = [item for item in argv if item != "--dry-run"]
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        print("(python -m trainer.main_ppo --help for usage)", file=sys.stderr)
+        return 2
+    print(config.resolved_yaml(), end="", flush=True)
+    if dry_run:
+        return 0
+    from trainer import loop  # imported here: torch and the models load only once the config is good
+
+    loop.fit(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
