@@ -1,0 +1,357 @@
+"""Policy / Reference / Critic on a tiny random Qwen2 (fp32, CPU): chunked logprobs, the PPO update's
+micro-batch invariance, learning direction, LR schedule, clipping, checkpoints of worker state."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from trainer.batch import TrainBatch
+from trainer.model import is_gradient_checkpointing, load_critic, load_policy, load_reference
+from trainer.rollout.base import Rollout
+from trainer.tiny import make_tiny_model
+from trainer.workers.actor import (
+    OptimizerSettings,
+    Policy,
+    PolicyLossSettings,
+    clip_and_step,
+    is_on_policy,
+    lr_multiplier,
+    response_logprobs,
+)
+from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.reference import Reference
+
+VOCAB = 100  # the char tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden=32, layers=2, heads=4, kv_heads=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def base_model(model_dir):
+    return load_policy(str(model_dir))
+
+
+def fresh(base_model):
+    return copy.deepcopy(base_model)
+
+
+def optim(lr=1e-3, grad_clip=1.0, **overrides):
+    settings = {"lr": lr, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "grad_clip": grad_clip,
+                "warmup_steps": 0, "total_steps": 10, "schedule": "constant", "min_lr_ratio": 0.0}
+    return OptimizerSettings(**{**settings, **overrides})
+
+
+def loss_settings(**overrides):
+    settings = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean",
+                "entropy_coeff": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.0, "kl_loss_type": "low_var_kl"}
+    return PolicyLossSettings(**{**settings, **overrides})
+
+
+def make_batch(batch_size=8, seed=0, max_prompt=7, max_response=9) -> TrainBatch:
+    """Random prompts/responses of varying lengths (so micro-batches have different padding), 2 per group."""
+    gen = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for i in range(batch_size):
+        p = int(torch.randint(2, max_prompt + 1, (1,), generator=gen))
+        t = int(torch.randint(1, max_response + 1, (1,), generator=gen))
+        loss_mask = [1] * t
+        if t > 3:
+            loss_mask[1] = 0  # a masked (tool-output-like) token inside the response
+        rollouts.append(Rollout(
+            prompt_ids=torch.randint(3, VOCAB, (p,), generator=gen).tolist(),
+            response_ids=torch.randint(3, VOCAB, (t,), generator=gen).tolist(),
+            logprobs=[0.0] * t, loss_mask=loss_mask, finish_reason="length", prompt_index=i // 2))
+    return TrainBatch.from_rollouts(rollouts, pad_id=0)
+
+
+def with_training_fields(batch: TrainBatch, model, seed=1) -> TrainBatch:
+    """old/ref logprobs off-policy by a little (so ratios and clipping are exercised) and +-advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        current = response_logprobs(model, batch).logprobs
+    noise = 0.3 * torch.randn(current.shape, generator=gen)
+    advantages = torch.randn(len(batch), 1, generator=gen).expand_as(current) * batch.response_mask
+    return batch.with_fields(old_logprobs=(current + noise) * batch.response_mask,
+                             ref_logprobs=(current - noise) * batch.response_mask, advantages=advantages)
+
+
+def naive_logprobs(model, batch, temperature):
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids).logits.float() / temperature
+    start = batch.prompt_width - 1
+    logits = logits[:, start:start + batch.response_width]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logprobs = log_probs.gather(-1, batch.responses[..., None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    real = batch.attention_mask[:, batch.prompt_width:]
+    return logprobs * real, entropy * real
+
+
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# ------------------------------------------------------------------------------------ logprobs
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_and_entropy_equal_naive_full_vocab_computation(base_model, temperature):
+    batch = make_batch()
+    with torch.no_grad():
+        chunked = response_logprobs(base_model, batch, temperature=temperature, with_entropy=True, chunk_size=5)
+        logprobs, entropy = naive_logprobs(base_model, batch, temperature)
+    assert chunked.logprobs.shape == (8, batch.response_width)
+    torch.testing.assert_close(chunked.logprobs, logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunked.entropy, entropy, rtol=0, atol=1e-5)
+    # padding is 0, real tokens are real log-probabilities of a ~uniform 100-way random model
+    real = batch.attention_mask[:, batch.prompt_width:].bool()
+    assert (chunked.logprobs[~real] == 0).all() and (chunked.logprobs[real] < 0).all()
+    assert chunked.entropy[real].mean() > 0.9 * math.log(VOCAB) * (1 if temperature == 1.0 else 0.95)
+
+
+def test_chunked_gradients_through_checkpointed_chunks_equal_naive(base_model):
+    batch = make_batch(batch_size=4)
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for compute in ("chunked", "naive"):
+        model = fresh(base_model)
+        if compute == "chunked":
+            out = response_logprobs(model, batch, with_entropy=True, chunk_size=3)
+            logprobs, entropy = out.logprobs, out.entropy
+        else:
+            logprobs, entropy = naive_logprobs(model, batch, 1.0)
+        ((logprobs * weights).sum() + 0.1 * (entropy * weights).sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_compute_logprobs_is_the_same_for_any_micro_batch_size_and_reference_matches_at_start(base_model):
+    batch = make_batch()
+    policy = Policy(fresh(base_model), optim())
+    whole = policy.compute_logprobs(batch, micro_batch_size=8, with_entropy=True)
+    for micro in (1, 3):  # trimmed micro-batches of different padding
+        split = policy.compute_logprobs(batch, micro_batch_size=micro, with_entropy=True)
+        torch.testing.assert_close(split.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(split.entropy, whole.entropy, rtol=0, atol=1e-5)
+    reference = Reference(load_reference_from(base_model))
+    torch.testing.assert_close(reference.compute_logprobs(batch, 4), whole.logprobs, rtol=0, atol=1e-5)
+    assert not any(p.requires_grad for p in reference.model.parameters())
+
+
+def load_reference_from(base_model):
+    model = fresh(base_model)
+    return model.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------- invariance
+
+
+@pytest.mark.parametrize(
+    "loss_agg_mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_1_x_8_gives_the_same_update_as_8_x_1(base_model, loss_agg_mode):
+    batch = with_training_fields(make_batch(), base_model)
+    loss = loss_settings(loss_agg_mode=loss_agg_mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    results = {}
+    for micro in (1, 8):
+        policy = Policy(fresh(base_model), optim(lr=1e-3))
+        metrics = policy.update(batch, mini_batch_size=8, micro_batch_size=micro, ppo_epochs=1, loss=loss)
+        results[micro] = (flat_params(policy.model), metrics)
+    start = flat_params(base_model)
+    delta_1, delta_8 = results[1][0] - start, results[8][0] - start
+    assert delta_8.norm() > 1e-3  # the update did move the parameters
+    # fp32 summation order differs (gradients agree to ~3e-7 relative); AdamW's g / sqrt(v) magnifies that
+    # on near-zero gradient entries, hence 1e-4 on the step. A wrong denominator is off by O(10%).
+    assert (delta_1 - delta_8).norm() / delta_8.norm() < 1e-4
+    assert (results[1][0] - results[8][0]).norm() / results[8][0].norm() < 1e-6
+    for name, value in results[8][1].items():
+        assert results[1][1][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert 0 < results[8][1]["actor/pg_clipfrac"] < 1  # the clip was active on some tokens
+
+
+def test_on_policy_update_without_old_logprobs_equals_update_with_them(base_model):
+    batch = with_training_fields(make_batch(), base_model)
+    assert is_on_policy(8, mini_batch_size=8, ppo_epochs=1)
+    assert not is_on_policy(8, mini_batch_size=4, ppo_epochs=1) and not is_on_policy(8, 8, ppo_epochs=2)
+    explicit = Policy(fresh(base_model), optim())
+    old = explicit.compute_logprobs(batch, micro_batch_size=8).logprobs
+    metrics = explicit.update(batch.with_fields(old_logprobs=old), mini_batch_size=8, micro_batch_size=4,
+                              ppo_epochs=1, loss=loss_settings())
+    skipped = Policy(fresh(base_model), optim())
+    metrics_skipped = skipped.update(batch.with_fields(old_logprobs=None), mini_batch_size=8, micro_batch_size=4,
+                                     ppo_epochs=1, loss=loss_settings())
+    torch.testing.assert_close(flat_params(skipped.model), flat_params(explicit.model), rtol=0, atol=1e-6)
+    assert metrics_skipped["actor/ppo_kl"] == 0 and metrics_skipped["actor/pg_clipfrac"] == 0
+    assert abs(metrics["actor/ppo_kl"]) < 1e-6
+    with pytest.raises(ValueError, match="on-policy"):
+        skipped.update(batch.with_fields(old_logprobs=None), mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
+                       loss=loss_settings())
+
+
+def test_gradient_checkpointing_gives_the_same_update(model_dir, base_model):
+    batch = with_training_fields(make_batch(), base_model)
+    params = []
+    for checkpointing in (False, True):
+        policy = Policy(load_policy(str(model_dir), gradient_checkpointing=checkpointing), optim())
+        policy.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())
+        params.append(flat_params(policy.model))
+    assert is_gradient_checkpointing(policy.model)
+    torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------- learning
+
+
+def test_ppo_update_raises_positive_advantage_tokens_and_lowers_negative_ones(base_model):
+    batch = make_batch(seed=4)
+    advantages = torch.tensor([1.0, -1.0] * 4)[:, None] * batch.response_mask
+    batch = batch.with_fields(advantages=advantages)
+    policy = Policy(fresh(base_model), optim(lr=3e-3))
+    before = policy.compute_logprobs(batch, 8).logprobs
+    batch = batch.with_fields(old_logprobs=before)
+    losses = []
+    for _ in range(3):  # 3 updates x 2 mini-batches = 6 optimizer steps on the same rollouts
+        metrics = policy.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())
+        losses.append(metrics["actor/pg_loss"])
+    after = policy.compute_logprobs(batch, 8).logprobs
+    change = ((after - before) * batch.response_mask).sum(-1) / batch.response_mask.sum(-1)
+    assert (change[0::2] > 0.05).all(), change  # positive advantage: more likely
+    assert (change[1::2] < -0.05).all(), change  # negative advantage: less likely
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert metrics["actor/pg_clipfrac"] > 0  # by then the ratio left the trust region on some tokens
+    assert set(metrics) >= {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+                            "actor/entropy", "actor/grad_norm", "actor/lr"}
+
+
+def test_kl_loss_pulls_the_policy_back_toward_the_reference(base_model):
+    batch = make_batch(seed=6)
+    policy = Policy(fresh(base_model), optim(lr=3e-3))
+    ref_logprobs = policy.compute_logprobs(batch, 8).logprobs
+    shifted = ref_logprobs - 0.5 * batch.response_mask  # a reference that found these tokens less likely
+    batch = batch.with_fields(advantages=torch.zeros_like(ref_logprobs), ref_logprobs=shifted)
+    loss = loss_settings(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1")
+    first = policy.update(batch, mini_batch_size=8, micro_batch_size=8, ppo_epochs=1, loss=loss)
+    # k1 = logprob - ref = 0.5 on every token: token-mean 0.5 exactly
+    assert first["actor/kl_loss"] == pytest.approx(0.5, abs=1e-5)
+    for _ in range(4):
+        last = policy.update(batch, mini_batch_size=8, micro_batch_size=8, ppo_epochs=1, loss=loss)
+    assert last["actor/kl_loss"] < 0.5 - 0.05
+
+
+def test_critic_update_reduces_value_loss(model_dir):
+    critic = Critic(load_critic(str(model_dir)), optim(lr=3e-3))
+    batch = make_batch()
+    values = critic.compute_values(batch, micro_batch_size=3)
+    real = batch.attention_mask[:, batch.prompt_width:].bool()
+    assert values.shape == batch.response_mask.shape and (values[~real] == 0).all()
+    torch.testing.assert_close(values, critic.compute_values(batch, micro_batch_size=8), rtol=0, atol=1e-5)
+    returns = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask  # a per-sequence target
+    loss = ValueLossSettings(cliprange_value=0.5, loss_agg_mode="token-mean")
+    history = []
+    for _ in range(8):
+        batch = batch.with_fields(values=critic.compute_values(batch, 8), returns=returns)
+        history.append(critic.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss))
+    assert history[-1]["critic/vf_loss"] < 0.5 * history[0]["critic/vf_loss"], [h["critic/vf_loss"] for h in history]
+    assert set(history[0]) >= {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"}
+
+
+def test_critic_micro_batch_invariance(model_dir):
+    base = load_critic(str(model_dir))
+    batch = make_batch()
+    values = Critic(fresh(base), optim()).compute_values(batch, 8)
+    batch = batch.with_fields(values=values, returns=values + torch.randn(values.shape) * batch.response_mask)
+    loss = ValueLossSettings(cliprange_value=0.2, loss_agg_mode="seq-mean-token-mean")
+    params = []
+    for micro in (1, 8):
+        critic = Critic(fresh(base), optim())
+        critic.update(batch, mini_batch_size=8, micro_batch_size=micro, ppo_epochs=1, loss=loss)
+        params.append(flat_params(critic.model))
+    start = flat_params(base)
+    assert (params[0] - params[1]).norm() / (params[1] - start).norm() < 1e-4
+    assert (params[0] - params[1]).norm() / params[1].norm() < 1e-6
+
+
+# ------------------------------------------------------------------------ optimizer and state
+
+
+def test_lr_schedule_hand_values():
+    constant = {"warmup_steps": 4, "total_steps": 10, "schedule": "constant", "min_lr_ratio": 0.0}
+    assert [lr_multiplier(s, **constant) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = {"warmup_steps": 0, "total_steps": 10, "schedule": "cosine", "min_lr_ratio": 0.1}
+    # 0.1 + 0.9 * 0.5 * (1 + cos(pi * s / 10))
+    assert lr_multiplier(0, **cosine) == pytest.approx(1.0)
+    assert lr_multiplier(5, **cosine) == pytest.approx(0.55)
+    assert lr_multiplier(10, **cosine) == pytest.approx(0.1)
+    assert lr_multiplier(15, **cosine) == pytest.approx(0.1)  # past the horizon: stays at the floor
+
+
+def test_policy_reports_the_lr_of_each_step_with_warmup(base_model):
+    batch = with_training_fields(make_batch(batch_size=2), base_model)
+    policy = Policy(fresh(base_model), optim(lr=1e-3, warmup_steps=2))
+    lrs = [policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())["actor/lr"]
+           for _ in range(3)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])
+
+
+def test_clip_and_step_clips_the_global_norm_and_skips_non_finite_gradients():
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.data[:] = torch.tensor([[1.0, 1.0]])
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.weight.grad = torch.tensor([[3.0, 4.0]])  # norm 5 -> clipped to 0.5: [0.3, 0.4]
+    assert clip_and_step(model, sgd, grad_clip=0.5) == pytest.approx(5.0)
+    torch.testing.assert_close(model.weight.data, torch.tensor([[0.7, 0.6]]))
+    model.weight.grad = torch.tensor([[float("nan"), 1.0]])
+    assert math.isnan(clip_and_step(model, sgd, grad_clip=0.5))
+    torch.testing.assert_close(model.weight.data, torch.tensor([[0.7, 0.6]]))  # step skipped
+    assert model.weight.grad is None
+
+
+def test_state_dict_round_trip_continues_exactly(base_model):
+    batch = with_training_fields(make_batch(), base_model)
+    kwargs = {"mini_batch_size": 4, "micro_batch_size": 4, "ppo_epochs": 1, "loss": loss_settings()}
+    straight = Policy(fresh(base_model), optim(warmup_steps=3))
+    straight.update(batch, **kwargs)
+    saved = copy.deepcopy(straight.state_dict())
+    straight.update(batch, **kwargs)
+    resumed = Policy(fresh(base_model), optim(warmup_steps=3))
+    resumed.load_state_dict(saved)
+    metrics = resumed.update(batch, **kwargs)
+    assert metrics["actor/lr"] == pytest.approx(2 / 3 * 1e-3)  # the schedule resumed at step 1
+    torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=0)
+
+
+def test_update_rejects_missing_inputs(base_model):
+    batch = make_batch(batch_size=2)
+    policy = Policy(fresh(base_model), optim())
+    with pytest.raises(ValueError, match="advantages"):
+        policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())
+    batch = batch.with_fields(advantages=batch.response_mask)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1,
+                      loss=loss_settings(use_kl_loss=True))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_update_on_gpu(model_dir):
+    from trainer.model import default_precision
+
+    precision = default_precision("cuda")
+    assert precision.param_dtype == torch.float32 and precision.autocast_dtype == torch.bfloat16
+    model = load_policy(str(model_dir), device="cuda")
+    policy = Policy(model, optim(), autocast_dtype=precision.autocast_dtype)
+    batch = make_batch()
+    fp32 = response_logprobs(load_reference(str(model_dir), device="cuda"), batch.to("cuda"))
+    bf16 = policy.compute_logprobs(batch, 4, with_entropy=True)
+    assert bf16.logprobs.dtype == torch.float32 and bf16.logprobs.device.type == "cpu"
+    torch.testing.assert_close(bf16.logprobs, fp32.logprobs.cpu(), rtol=0, atol=5e-2)
+    batch = batch.with_fields(advantages=batch.response_mask, old_logprobs=bf16.logprobs)
+    metrics = policy.update(batch, mini_batch_size=8, micro_batch_size=4, ppo_epochs=1, loss=loss_settings())
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+    assert all(p.dtype == torch.float32 for p in policy.model.parameters())

@@ -1,0 +1,427 @@
+"""Atomic training checkpoints, verl's layout: save, find the one to resume from, load, keep the last K.
+
+Layout (root = checkpoints/{project}/{experiment}):
+
+    root/latest_checkpointed_iteration.txt        "N": the newest complete checkpoint (verl's file name)
+    root/global_step_N/
+        trainer_state.json                        step, data cursor, tracker run id, extra; written LAST,
+                                                  so its presence marks a complete directory
+        rng_state.pt                              python, numpy, torch CPU and CUDA generator states
+        actor/  (one directory per model role: actor, critic, ...)
+            model.safetensors                     FULL (unsharded) tensors, tied weights stored once
+            optimizer.pt, scheduler.pt            torch.save of state_dict() (full tensors too)
+            huggingface/                          config.json, generation_config.json, tokenizer files
+                                                  (only for Hugging Face models; `trainer.export` needs them)
+
+Why it survives a crash: everything is written into a hidden temp directory beside the target and
+fsynced, then renamed to global_step_N in one `os.rename`; only then is `latest_checkpointed_iteration.txt`
+replaced (write temp + fsync + `os.replace`). A crash at any point leaves either the old checkpoint
+(latest still names it) or the new one, never a half-written global_step_N that resume could pick:
+temp directories start with "." and are swept by the next save, and a directory without
+trainer_state.json is never treated as a checkpoint.
+
+Why full tensors: a checkpoint must resume on a different GPU count (design doc). A sharded (FSDP2 /
+DTensor) model or optimizer state is gathered with `.full_tensor()` before writing, so the files do
+not depend on the world size that wrote them; the loader re-shards by loading full tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng_state.pt"
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+HF_METADATA_DIR = "huggingface"
+FORMAT_VERSION = 1
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# safetensors metadata key holding {dropped_name: stored_name} for tensors that share storage (tied embeddings)
+_ALIASES_KEY = "aliases"
+
+ResumeMode = Literal["auto", "disable", "resume_path"]
+
+
+@dataclass
+class TrainState:
+    """What the loop needs besides tensors to continue exactly where it stopped."""
+
+    step: int
+    data_cursor: str | None = None
+    tracker_run_id: str | None = None
+    extra: dict = field(default_factory=dict)  # anything JSON-serialisable (e.g. KL controller value)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not match the models it is loaded into."""
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    models: dict[str, nn.Module],
+    optimizers: dict[str, Any],
+    schedulers: dict[str, Any],
+    state: TrainState,
+    keep_last: int | None,
+    tokenizer: Any | None = None,
+) -> Path:
+    """Write root/global_step_{step}/ atomically, point latest at it, prune to `keep_last`; returns the dir.
+
+    `optimizers` / `schedulers` are keyed by the same role names as `models` (a role may have none).
+    `tokenizer`, when given, is saved with each Hugging Face model's config (see `save_hf_metadata`) so
+    `python -m trainer.export` can build a loadable HF folder. `keep_last` None or <= 0 keeps all.
+    """
+    strays = sorted((set(optimizers) | set(schedulers)) - set(models))
+    if strays:
+        raise ValueError(f"optimizer/scheduler roles {strays} have no model (models: {sorted(models)})")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"global_step_{step}"
+    staging = root / f".tmp-global_step_{step}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        for role, model in models.items():
+            _save_role(staging / role, model, optimizers.get(role), schedulers.get(role), tokenizer)
+        torch.save(capture_rng_state(), staging / RNG_FILE)
+        # trainer_state.json last: its presence is what makes a directory a complete checkpoint.
+        _write_json(staging / STATE_FILE, _state_record(state, step, list(models)))
+        _fsync_tree(staging)
+        _move_into_place(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _write_latest(root, step)
+    prune_checkpoints(root, keep_last, protect=final)
+    return final
+
+
+def save_hf_metadata(directory: Path, model: nn.Module, tokenizer: Any | None) -> None:
+    """Save what rebuilds `model` as a Hugging Face model: config.json, generation_config.json, tokenizer.
+
+    Called by `save_checkpoint` for every model that carries a transformers config (into
+    `<role>/huggingface/`); callers with their own layout may call it directly. Models without an
+    HF config (e.g. a bare value head) are skipped. Weights are not written here.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def _save_role(directory: Path, model: nn.Module, optimizer: Any, scheduler: Any, tokenizer: Any) -> None:
+    directory.mkdir(parents=True)
+    tensors, aliases = _dedupe_shared(model.state_dict())
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={_ALIASES_KEY: json.dumps(aliases)})
+    if optimizer is not None:
+        torch.save(_to_full_cpu(optimizer.state_dict()), directory / OPTIMIZER_FILE)
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
+    save_hf_metadata(directory / HF_METADATA_DIR, model, tokenizer)
+
+
+def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Full, contiguous CPU tensors with shared ones (tied embeddings) stored once, plus the alias map.
+
+    safetensors refuses tensors that share memory; storing the tie as an alias keeps the file small
+    and the tie explicit.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen_views: dict[tuple, str] = {}
+    seen_storages: set[tuple] = set()
+    for name, tensor in state_dict.items():
+        tensor = _full_tensor(tensor).detach()
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        view = (*storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() > 0 and view in seen_views:
+            aliases[name] = seen_views[view]
+            continue
+        seen_views[view] = name
+        # a different view of an already stored storage must be copied: safetensors rejects overlap
+        shared = tensor.numel() > 0 and storage in seen_storages
+        seen_storages.add(storage)
+        tensor = tensor.to("cpu", copy=shared)
+        tensors[name] = tensor.contiguous()
+    return tensors, aliases
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    # DTensor (FSDP2) -> the whole tensor, so the file does not depend on the writer's world size
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _to_full_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _full_tensor(obj).detach().cpu()
+    if isinstance(obj, dict):
+        return {key: _to_full_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_full_cpu(value) for value in obj)
+    return obj
+
+
+def _state_record(state: TrainState, step: int, roles: list[str]) -> dict:
+    if state.step != step:
+        raise ValueError(f"state.step ({state.step}) != step ({step})")
+    return {**asdict(state), "roles": roles, "format_version": FORMAT_VERSION, "saved_at": time.time()}
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    """Rename staging -> final; an existing final (same step saved again after a resume) is replaced."""
+    if final.exists():
+        # rename cannot replace a non-empty directory: set the old one aside first, then drop it
+        trash = final.parent / f".trash-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, trash)
+        os.rename(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+    _fsync_dir(final.parent)
+
+
+def _write_latest(root: Path, step: int) -> None:
+    temp = root / f".{LATEST_FILE}.{uuid.uuid4().hex[:8]}"
+    with open(temp, "w") as handle:
+        handle.write(f"{step}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, root / LATEST_FILE)
+    _fsync_dir(root)
+
+
+def prune_checkpoints(root: Path, keep_last: int | None, *, protect: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `keep_last` and leftovers of crashed saves.
+
+    `protect` (the checkpoint just written) is never deleted. Returns the deleted checkpoint dirs.
+    """
+    root = Path(root)
+    for leftover in root.glob(".tmp-global_step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in root.glob(".trash-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if not keep_last or keep_last <= 0:
+        return []
+    complete = [path for _, path in list_checkpoints(root)]
+    doomed = [path for path in complete[: max(len(complete) - keep_last, 0)]
+              if protect is None or path.resolve() != Path(protect).resolve()]
+    for path in doomed:
+        # rename first: a half-deleted directory must never look like a checkpoint
+        trash = root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def _write_json(path: Path, record: dict) -> None:
+    path.write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def _fsync_tree(directory: Path) -> None:
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # makes a rename / new entry durable; not every platform can open a directory
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------- find
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under root as (step, dir), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / STATE_FILE).is_file()
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint named by latest_checkpointed_iteration.txt, or None when there is none.
+
+    Falls back to the newest complete directory only if the latest file is missing or names a
+    directory that is gone (e.g. deleted by hand).
+    """
+    root = Path(root)
+    latest_file = root / LATEST_FILE
+    if latest_file.is_file():
+        text = latest_file.read_text().strip()
+        if text.isdigit():
+            candidate = root / f"global_step_{int(text)}"
+            if is_complete(candidate):
+                return candidate
+    complete = list_checkpoints(root)
+    return complete[-1][1] if complete else None
+
+
+def find_resume_checkpoint(root: Path, resume_mode: ResumeMode, resume_from_path: str | None) -> Path | None:
+    """Which checkpoint to resume from (verl's trainer.resume_mode / trainer.resume_from_path).
+
+    auto: the latest complete checkpoint under root, else None (fresh start). disable: None.
+    resume_path: `resume_from_path`, a global_step_N dir or an experiment root holding a latest file;
+    an error naming the path when it is missing or incomplete.
+    """
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        return latest_checkpoint(root)
+    if resume_mode != "resume_path":
+        raise ValueError(f"resume_mode must be 'auto', 'disable' or 'resume_path', got {resume_mode!r}")
+    if not resume_from_path:
+        raise CheckpointError("resume_mode=resume_path needs trainer.resume_from_path")
+    path = Path(resume_from_path)
+    if not path.exists():
+        raise CheckpointError(f"resume_from_path {str(path)!r} does not exist")
+    if is_complete(path):
+        return path
+    if (path / LATEST_FILE).is_file():
+        found = latest_checkpoint(path)
+        if found is not None:
+            return found
+    raise CheckpointError(f"resume_from_path {str(path)!r} is not a complete checkpoint "
+                          f"(no {STATE_FILE}; was the save interrupted?)")
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def load_train_state(path: Path) -> TrainState:
+    """The trainer state alone (no tensors): e.g. to reopen the tracker run before building models."""
+    record = _read_state_record(Path(path))
+    return TrainState(step=int(record["step"]), data_cursor=record.get("data_cursor"),
+                      tracker_run_id=record.get("tracker_run_id"), extra=record.get("extra") or {})
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    models: dict[str, nn.Module],
+    optimizers: dict[str, Any],
+    schedulers: dict[str, Any],
+    restore_rng: bool = True,
+) -> TrainState:
+    """Load weights, optimizer and scheduler states (and RNG streams) in place; returns the TrainState."""
+    path = Path(path)
+    state = load_train_state(path)
+    for role, model in models.items():
+        role_dir = path / role
+        if not (role_dir / WEIGHTS_FILE).is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} has no weights for role {role!r} "
+                                  f"(roles saved: {sorted(_read_state_record(path).get('roles', []))})")
+        model.load_state_dict(load_full_state_dict(role_dir / WEIGHTS_FILE), strict=True)
+        _load_optional(role_dir / OPTIMIZER_FILE, optimizers.get(role), f"{role} optimizer")
+        _load_optional(role_dir / SCHEDULER_FILE, schedulers.get(role), f"{role} scheduler")
+    if restore_rng:
+        restore_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+    return state
+
+
+def load_full_state_dict(weights_file: Path) -> dict[str, torch.Tensor]:
+    """A role's saved tensors with tied names restored (each alias points at the stored tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights_file), framework="pt") as handle:
+        aliases = json.loads((handle.metadata() or {}).get(_ALIASES_KEY, "{}"))
+    tensors = load_file(str(weights_file))
+    for name, stored in aliases.items():
+        tensors[name] = tensors[stored]
+    return tensors
+
+
+def _load_optional(file: Path, target: Any, what: str) -> None:
+    if target is None:
+        return
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint has no {what} state ({file} missing)")
+    target.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+
+
+def _read_state_record(path: Path) -> dict:
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not is_complete(path):
+        raise CheckpointError(f"{str(path)!r} is not a complete checkpoint (no {STATE_FILE})")
+    return json.loads((path / STATE_FILE).read_text())
+
+
+# ----------------------------------------------------------------------------------------------- rng
+
+
+def capture_rng_state() -> dict:
+    """Every generator the loop draws from, in a form torch.load(weights_only=True) accepts."""
+    version, mt_state, gauss_next = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": list(mt_state), "gauss_next": gauss_next},
+        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch_cpu"])
+    cuda_states = state.get("torch_cuda")
+    # a checkpoint may be resumed on a different number of GPUs: restore the devices both have
+    if cuda_states and torch.cuda.is_available():
+        for device, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)

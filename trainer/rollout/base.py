@@ -1,0 +1,86 @@
+"""The rollout engine interface: what the fit loop asks of any generator (built-in, fast, SGLang).
+
+An engine turns prompt token ids into `Rollout`s: the response token ids, the logprob of each sampled
+token, a loss mask and why generation ended. `n` samples of one prompt come out next to each other
+(prompt 0's n samples, then prompt 1's, ...) and carry `prompt_index`, which the trainer turns into
+GRPO group ids.
+
+Logprobs convention (every engine must follow it, the trainer's recomputation matches it): the logprob
+of a sampled token is log_softmax(logits / temperature) at that token, i.e. under the temperature-scaled
+model distribution, *before* top-k / top-p truncation. That is the distribution PPO's ratio is taken
+against, and the one `Policy.compute_logprobs(..., temperature=...)` recomputes. With temperature 0
+(greedy) the logprobs are those of the untempered model (temperature 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. temperature 0 means greedy; top_k -1 means no top-k; stop strings end a response
+    right after the token that completes them (kept in the response, like the stop token ids)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            problems.append(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n}")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must not be empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Rollout:
+    """One generated response (a prompt sampled n times gives n Rollouts)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # per response token, see the module docstring
+    loss_mask: list[int]  # 1 per response token trained on (0 on tool output in multi-turn rollouts)
+    finish_reason: FinishReason
+    prompt_index: int  # index of the prompt in the list given to generate()
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        """len(prompt_ids) * sampling.n rollouts, grouped by prompt."""
+        ...
+
+    def load_weights(self, state_dict_or_model) -> None:
+        """Make the engine sample from the policy's current weights."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free generation-only memory (KV cache) before training; a no-op where there is none."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Undo release_memory before the next generate()."""
+        ...

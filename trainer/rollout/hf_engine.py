@@ -1,0 +1,223 @@
+"""The built-in rollout engine: batched sampling from a transformers causal LM with a KV cache.
+
+Its own decoding loop rather than `model.generate`, so that it controls exactly what the trainer needs:
+the logprob of each sampled token under log_softmax(logits / temperature) (see rollout/base.py), stops
+on token ids and on stop strings, and the finish reason of each response.
+
+Prompts are left-padded into one batch (position ids count real tokens only, as the trainer's
+teacher-forced forward does), the prompt is run once to fill the cache, then one token per step for
+every unfinished row. A response ends right after the token that is a stop token id (eos and im_end by
+default) or that completes a stop string; that token is kept and trained on, so the policy learns
+to stop. Rows that finished keep being fed padding until the whole batch is done; it is simple and
+correct, and the fast engine of a later issue does continuous batching instead.
+
+Colocated use: the engine can share the policy's module, so `load_weights(policy_model)` is a no-op
+(it samples from the live parameters); given another module or a state dict it copies the weights.
+On GPU the shared module is fp32 under bf16 autocast, which re-casts every weight at every decode
+step; an engine over its own bf16 copy of the model (load_weights then copies and casts) decodes
+faster for the price of that copy's memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from trainer.model import autocast
+from trainer.rollout.base import Rollout, SamplingParams
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    """Prompts -> (input_ids [B, P], attention_mask [B, P]) padded on the left."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids that count only real tokens (0 on the left padding)."""
+    return (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def filter_top_k_top_p(scaled_logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. [B, V] -> [B, V].
+
+    The most likely token always survives, so a row is never empty.
+    """
+    logits = scaled_logits
+    if 0 < top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the strictly better tokens
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next_token(
+    logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """logits [B, V] (fp32) -> (token [B], logprob [B]) with logprob under log_softmax(logits / T)."""
+    if sampling.greedy:
+        token = logits.argmax(dim=-1)
+        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    scaled_logits = logits / sampling.temperature
+    logprobs = torch.log_softmax(scaled_logits, dim=-1)
+    probs = filter_top_k_top_p(scaled_logits, sampling.top_k, sampling.top_p).softmax(dim=-1)
+    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+def default_eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The tokenizer's eos plus the generation config's eos ids (Qwen-Instruct: <|im_end|> and <|endoftext|>)."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += configured if isinstance(configured, (list, tuple)) else [configured]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+class HFRolloutEngine:
+    """Built-in engine on a transformers causal LM (CPU or one GPU)."""
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+        autocast_dtype: torch.dtype | None = None, max_batch_size: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        """max_batch_size: sequences decoded together (None = all); bounds the KV cache's memory."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.autocast_dtype = autocast_dtype
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model, tokenizer)
+        parameters = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache; logits_to_keep avoids [B, P, V] prefill logits
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._keeps_last_logits = "logits_to_keep" in parameters
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        self._check_prompts(prompt_ids)
+        generator = None  # None: the global torch RNG, which checkpoints save and restore
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        rows = [(index, prompt) for index, prompt in enumerate(prompt_ids) for _ in range(sampling.n)]
+        chunk = self.max_batch_size or len(rows)
+        was_training = self.model.training
+        self.model.eval()  # no dropout, no gradient checkpointing while sampling
+        try:
+            rollouts: list[Rollout] = []
+            for start in range(0, len(rows), chunk):
+                rollouts += self._generate_rows(rows[start:start + chunk], sampling, generator)
+            return rollouts
+        finally:
+            self.model.train(was_training)
+
+    def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for index, prompt in enumerate(prompt_ids):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {vocab})")
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+        kwargs = {self._cache_kwarg: cache}
+        if self._keeps_last_logits:
+            kwargs["logits_to_keep"] = 1
+        with autocast(self.device, self.autocast_dtype):
+            output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=True, **kwargs)
+        return output.logits[:, -1].float()
+
+    @torch.no_grad()
+    def _generate_rows(
+        self, rows: list[tuple[int, list[int]]], sampling: SamplingParams, generator: torch.Generator | None
+    ) -> list[Rollout]:
+        device = self.device
+        input_ids, attention_mask = left_pad([prompt for _, prompt in rows], self.pad_id, device)
+        position_ids = positions_from_mask(attention_mask)
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=device)
+        finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        lengths = torch.full((len(rows),), sampling.max_new_tokens, dtype=torch.long, device=device)
+        tokens, logprobs = [], []
+        cache = DynamicCache()
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        for step in range(sampling.max_new_tokens):
+            token, logprob = sample_next_token(logits, sampling, generator)
+            token = torch.where(finished, torch.full_like(token, self.pad_id), token)
+            tokens.append(token)
+            logprobs.append(logprob)
+            stops = ~finished & torch.isin(token, stop_ids)
+            if sampling.stop:
+                stops |= self._completes_stop_string(tokens, ~finished & ~stops, sampling.stop)
+            lengths = torch.where(stops, step + 1, lengths)
+            finished |= stops
+            if bool(finished.all()) or step + 1 == sampling.max_new_tokens:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+            logits = self._forward(token[:, None], attention_mask, position_ids, cache)
+        del cache
+        return self._to_rollouts(rows, torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), lengths, finished)
+
+    def _completes_stop_string(self, tokens: list[Tensor], candidates: Tensor, stop: tuple[str, ...]) -> Tensor:
+        """True for candidate rows whose newest token completes a stop string.
+
+        Each token is at least one byte, so a window of (longest stop in bytes + 1) tokens holds any
+        stop string that ends at the newest token; an earlier occurrence would have stopped the row.
+        """
+        hits = torch.zeros_like(candidates)
+        rows = candidates.nonzero().squeeze(-1).tolist()
+        if not rows:
+            return hits
+        window = max(len(s.encode()) for s in stop) + 1
+        recent = torch.stack(tokens[-window:], dim=1)[rows].tolist()
+        texts = self.tokenizer.batch_decode(recent, skip_special_tokens=False)
+        for row, text in zip(rows, texts):
+            hits[row] = any(s in text for s in stop)
+        return hits
+
+    @staticmethod
+    def _to_rollouts(rows, tokens: Tensor, logprobs: Tensor, lengths: Tensor, stopped: Tensor) -> list[Rollout]:
+        rollouts = []
+        for (prompt_index, prompt), row_tokens, row_logprobs, length, row_stopped in zip(
+            rows, tokens.tolist(), logprobs.float().tolist(), lengths.tolist(), stopped.tolist()
+        ):
+            rollouts.append(Rollout(
+                prompt_ids=list(prompt), response_ids=row_tokens[:length], logprobs=row_logprobs[:length],
+                loss_mask=[1] * length, finish_reason="stop" if row_stopped else "length",
+                prompt_index=prompt_index,
+            ))
+        return rollouts
+
+    def load_weights(self, state_dict_or_model: nn.Module | dict[str, Tensor]) -> None:
+        """Colocated (the same module as the policy): nothing to do. Otherwise copy the weights in."""
+        if state_dict_or_model is self.model:
+            return
+        state = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
+        self.model.load_state_dict(state)
+
+    def release_memory(self) -> None:
+        """The KV cache lives only inside generate(); hand the CUDA allocator's free blocks back."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Nothing was released that generate() does not rebuild."""

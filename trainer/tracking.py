@@ -1,0 +1,440 @@
+"""Experiment tracking and verl's metric names.
+
+`Tracker` fans each step's metrics out to the backends named by `trainer.logger`:
+- console: verl's line `step:N - key:value - ...` on stdout, plus a progress bar with ETA on stderr;
+- jsonl: RUN_DIR/metrics.jsonl (one JSON object per `log` call) and RUN_DIR/generations.jsonl.
+  Always on, whatever the list says: `python -m trainer.report RUN_DIR` draws its curves from it;
+- tensorboard (RUN_DIR/tensorboard or $TENSORBOARD_DIR), wandb ($WANDB_MODE=offline works without a
+  network), swanlab ($SWANLAB_MODE: online/cloud, local, offline; $SWANLAB_LOG_DIR): optional extras,
+  imported only when asked for (`pip install 'rl-jobgroup[loggers]'`).
+
+The tracker's `run_id` is stored in checkpoints (TrainState.tracker_run_id); passing it back on resume
+reopens the same W&B / SwanLab run (resume="allow") instead of starting a new one.
+
+The metric helpers compute verl's names with verl's definitions (verl/trainer/ppo/metric_utils.py):
+critic/score/*, critic/rewards/*, critic/advantages/*, critic/returns/*, critic/values/*,
+response_length/*, prompt_length/*, timing_s/*, timing_per_token_ms/*, perf/throughput (tokens per
+second per GPU), perf/mfu/actor, perf/max_memory_allocated_gb.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import secrets
+import string
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "swanlab")
+LOGGERS_EXTRA = "pip install 'rl-jobgroup[loggers]'"
+METRICS_FILE = "metrics.jsonl"
+GENERATIONS_FILE = "generations.jsonl"
+
+
+def new_run_id() -> str:
+    # 21 lowercase alphanumerics: valid as a W&B run id and as a SwanLab experiment id
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(21))
+
+
+class Tracker:
+    """One object the loop logs to; see the module docstring for the backends."""
+
+    def __init__(
+        self,
+        backends: list[str],
+        *,
+        project: str,
+        experiment: str,
+        run_dir: Path,
+        config: dict,
+        total_steps: int | None,
+        run_id: str | None = None,
+        start_step: int = 0,
+    ) -> None:
+        if isinstance(backends, str):  # trainer.logger=console as well as ['console', 'wandb']
+            backends = [backends]
+        unknown = [name for name in backends if name not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown trainer.logger backend(s) {unknown}; choose from {list(BACKENDS)}")
+        self.run_id = run_id or new_run_id()
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._warned: set[str] = set()
+        names = list(dict.fromkeys(["jsonl", *backends]))
+        self._sinks = [self._open(name, project, experiment, config, total_steps, start_step) for name in names]
+
+    def _open(self, name: str, project: str, experiment: str, config: dict, total_steps: int | None, start_step: int):
+        if name == "console":
+            return ConsoleSink(total_steps, start_step)
+        if name == "jsonl":
+            return JsonlSink(self.run_dir)
+        if name == "tensorboard":
+            return TensorBoardSink(Path(os.environ.get("TENSORBOARD_DIR") or self.run_dir / "tensorboard"))
+        if name == "wandb":
+            return WandbSink(project, experiment, config, self.run_id, self.run_dir)
+        return SwanLabSink(project, experiment, config, self.run_id,
+                           Path(os.environ.get("SWANLAB_LOG_DIR") or self.run_dir / "swanlog"))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        scalars = {}
+        for key, value in metrics.items():
+            scalar = _as_scalar(value)
+            if scalar is None:
+                if key not in self._warned:
+                    self._warned.add(key)
+                    warnings.warn(f"metric {key!r} is not a number ({type(value).__name__}); not logged", stacklevel=2)
+                continue
+            scalars[key] = scalar
+        for sink in self._sinks:
+            sink.log(scalars, step)
+
+    def log_generations(self, samples: list[dict], step: int) -> None:
+        """Validation samples, each {"input", "output", "score"} (extra keys are kept in the JSONL)."""
+        rows = [_as_sample(sample) for sample in samples]
+        for sink in self._sinks:
+            sink.log_generations(rows, step)
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+
+    def __enter__(self) -> Tracker:  # noqa: PYI034 (py3.10 has no typing.Self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _as_scalar(value: Any) -> int | float | None:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if hasattr(value, "item") and getattr(value, "size", None) == 1:  # numpy scalars and 1-element arrays
+        return value.item()
+    return None
+
+
+def _as_sample(sample: Any) -> dict:
+    if isinstance(sample, dict):
+        return sample
+    input_text, output_text, score = sample  # verl passes (input, output, score) tuples
+    return {"input": input_text, "output": output_text, "score": score}
+
+
+def format_console_line(metrics: dict[str, float], step: int) -> str:
+    """verl's console format: `step:N - key:value - ...`, numbers with 3 decimals, in insertion order."""
+    return " - ".join([f"step:{step}", *(f"{key}:{value:.3f}" for key, value in metrics.items())])
+
+
+def _import_extra(module: str, backend: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"trainer.logger backend {backend!r} needs the package {module!r} "
+                          f"({exc}); install the optional extra: {LOGGERS_EXTRA}") from exc
+
+
+# --------------------------------------------------------------------------------------------- sinks
+
+
+class ConsoleSink:
+    def __init__(self, total_steps: int | None, start_step: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="Training Progress", file=sys.stderr,
+                         dynamic_ncols=True, mininterval=1.0)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        # tqdm.write clears the bar, prints the line on stdout, then redraws the bar below it
+        self._bar.write(format_console_line(metrics, step), file=sys.stdout)
+        if step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def log_generations(self, rows: list[dict], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class JsonlSink:
+    def __init__(self, run_dir: Path) -> None:
+        # append: a resumed run continues the same file (trainer.report keeps the last value per step)
+        self._metrics = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 (open for the run's lifetime)
+        self._generations = open(run_dir / GENERATIONS_FILE, "a")  # noqa: SIM115
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._metrics.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self._metrics.flush()
+
+    def log_generations(self, rows: list[dict], step: int) -> None:
+        for row in rows:
+            self._generations.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        self._generations.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._generations.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        _import_extra("tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def log_generations(self, rows: list[dict], step: int) -> None:
+        self._writer.add_text("val/generations", _generations_markdown(rows), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, experiment: str, config: dict, run_id: str, run_dir: Path) -> None:
+        self._wandb = _import_extra("wandb", "wandb")
+        # mode comes from $WANDB_MODE (online / offline / disabled), as users of verl expect
+        self._run = self._wandb.init(project=project, name=experiment, id=run_id, resume="allow",
+                                     config=config, dir=str(run_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def log_generations(self, rows: list[dict], step: int) -> None:
+        table = self._wandb.Table(columns=["step", "input", "output", "score"],
+                                  data=[[step, row.get("input"), row.get("output"), row.get("score")] for row in rows])
+        self._run.log({"val/generations": table}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class SwanLabSink:
+    def __init__(self, project: str, experiment: str, config: dict, run_id: str, log_dir: Path) -> None:
+        self._swanlab = _import_extra("swanlab", "swanlab")
+        mode = os.environ.get("SWANLAB_MODE")
+        api_key = os.environ.get("SWANLAB_API_KEY")
+        if api_key and mode not in ("local", "offline", "disabled"):
+            self._swanlab.login(api_key=api_key)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._swanlab.init(**_swanlab_init_kwargs(self._swanlab.init, project, experiment, config, run_id,
+                                                  log_dir, mode))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._swanlab.log(metrics, step=step)
+
+    def log_generations(self, rows: list[dict], step: int) -> None:
+        texts = [self._swanlab.Text(_generations_markdown([row])) for row in rows]
+        self._swanlab.log({"val/generations": texts}, step=step)
+
+    def close(self) -> None:
+        self._swanlab.finish()
+
+
+def _swanlab_init_kwargs(init, project: str, experiment: str, config: dict, run_id: str, log_dir: Path,
+                         mode: str | None) -> dict:
+    """swanlab.init's argument names changed across versions (logdir -> log_dir, experiment_name -> name)."""
+    params = inspect.signature(init).parameters
+    kwargs: dict[str, Any] = {"project": project, "config": config}
+    kwargs["log_dir" if "log_dir" in params else "logdir"] = str(log_dir)
+    kwargs["name" if "name" in params else "experiment_name"] = experiment
+    if mode:
+        # "cloud" is verl's spelling; newer swanlab calls it "online"
+        accepted = str(params["mode"].annotation) if "mode" in params else ""
+        kwargs["mode"] = "online" if mode == "cloud" and "online" in accepted else mode
+    if "id" in params and "resume" in params:
+        kwargs.update(id=run_id, resume="allow")
+    return kwargs
+
+
+def _generations_markdown(rows: list[dict]) -> str:
+    parts = []
+    for index, row in enumerate(rows, 1):
+        parts.append(f"### sample {index}\n\n**input:** {row.get('input')}\n\n**output:** {row.get('output')}\n\n"
+                     f"**score:** {row.get('score')}\n")
+    return "\n---\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------- metric helpers
+
+
+def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
+    """One number per metric from per-micro-batch lists: max for `.../max*`, min for `.../min*`, else mean.
+
+    As verl reduces; the name test looks at the last path component only. Empty lists are dropped.
+    """
+    reduced = {}
+    for key, items in values.items():
+        if len(items) == 0:
+            continue
+        numbers = [float(_as_scalar(item)) for item in items]
+        leaf = key.rsplit("/", 1)[-1]
+        if "max" in leaf:
+            reduced[key] = max(numbers)
+        elif "min" in leaf:
+            reduced[key] = min(numbers)
+        else:
+            reduced[key] = sum(numbers) / len(numbers)
+    return reduced
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def compute_data_metrics(
+    *,
+    scores: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    response_lengths: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    max_response_length: int,
+    max_prompt_length: int,
+    token_rewards: torch.Tensor | None = None,
+    returns: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """verl's batch statistics.
+
+    scores [B]: the reward function's score per sequence. token_rewards [B, T]: rewards after the KL
+    penalty (critic/rewards = their sum per sequence); None means no KL in the reward, so rewards =
+    scores. advantages / returns / values [B, T]: statistics over tokens where response_mask is 1;
+    returns None -> advantages (verl's outcome estimators store returns = advantages).
+    response_lengths / prompt_lengths [B]: real (unpadded) token counts; clip_ratio = fraction of
+    sequences that hit max_response_length / max_prompt_length (i.e. were truncated).
+    """
+    scores = torch.as_tensor(scores).float()
+    mask = torch.as_tensor(response_mask).bool()
+    response_lengths = torch.as_tensor(response_lengths).float()
+    prompt_lengths = torch.as_tensor(prompt_lengths).float()
+    sequence_rewards = scores if token_rewards is None else torch.as_tensor(token_rewards).float().sum(-1)
+    valid_advantages = torch.as_tensor(advantages)[mask]
+    valid_returns = valid_advantages if returns is None else torch.as_tensor(returns)[mask]
+    metrics = {
+        **_stats("critic/score", scores),
+        **_stats("critic/rewards", sequence_rewards),
+        **_stats("critic/advantages", valid_advantages),
+        **_stats("critic/returns", valid_returns),
+    }
+    if values is not None:
+        valid_values = torch.as_tensor(values)[mask].float()
+        metrics.update(_stats("critic/values", valid_values))
+        returns_float = valid_returns.float()
+        metrics["critic/vf_explained_var"] = (
+            1.0 - torch.var(returns_float - valid_values) / (torch.var(returns_float) + 1e-5)).item()
+    metrics.update(_stats("response_length", response_lengths))
+    metrics["response_length/clip_ratio"] = (response_lengths == max_response_length).float().mean().item()
+    metrics.update(_stats("prompt_length", prompt_lengths))
+    metrics["prompt_length/clip_ratio"] = (prompt_lengths == max_prompt_length).float().mean().item()
+    return metrics
+
+
+# verl normalises generation time by response tokens and the passes over whole sequences by all tokens
+_TOKENS_FOR_STAGE = {"gen": "response", "ref": "all", "values": "all", "adv": "all",
+                     "update_critic": "all", "update_actor": "all"}
+
+
+def compute_timing_metrics(timings: dict[str, float], *, num_prompt_tokens: int,
+                           num_response_tokens: int) -> dict[str, float]:
+    """timing_s/{stage} (seconds) and timing_per_token_ms/{stage} for verl's per-token stages."""
+    counts = {"response": num_response_tokens, "all": num_prompt_tokens + num_response_tokens}
+    metrics = {f"timing_s/{name}": seconds for name, seconds in timings.items()}
+    for name, seconds in timings.items():
+        if name in _TOKENS_FOR_STAGE and counts[_TOKENS_FOR_STAGE[name]] > 0:
+            metrics[f"timing_per_token_ms/{name}"] = seconds * 1000.0 / counts[_TOKENS_FOR_STAGE[name]]
+    return metrics
+
+
+def compute_throughput_metrics(total_tokens: int, step_time_s: float, n_gpus: int) -> dict[str, float]:
+    """perf/throughput = all tokens of the step (prompts + responses) / (step time * GPUs), as verl."""
+    return {"perf/total_num_tokens": total_tokens, "perf/time_per_step": step_time_s,
+            "perf/throughput": total_tokens / (step_time_s * max(n_gpus, 1))}
+
+
+def training_flops(*, num_params: int, seq_lens: Sequence[int], num_layers: int, attention_dim: int) -> float:
+    """FLOPs of one forward + backward pass over these sequences (verl's estimate, dense models).
+
+    6 * N per token: every weight does a multiply-add (2 FLOPs) forward and twice that backward; N
+    counts the weights used in matmuls, the LM head included (the embedding lookup does none, so with
+    tied embeddings count them once). Attention scores and the weighted sum of values add
+    2 * 2 * s^2 * attention_dim per layer forward, times 3 with backward: 12 * layers * dim * s^2 per
+    sequence of length s (no causal halving, like verl). attention_dim = num_heads * head_dim.
+    """
+    tokens = sum(seq_lens)
+    return 6.0 * num_params * tokens + 12.0 * num_layers * attention_dim * sum(s * s for s in seq_lens)
+
+
+def mfu(flops: float, time_s: float, *, n_gpus: int, peak_flops_per_gpu: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s per GPU / the GPU's peak; None without a known peak.
+
+    For perf/mfu/actor pass `training_flops` of the actor's update tokens times ppo_epochs and the
+    update_actor time.
+    """
+    if not peak_flops_per_gpu or time_s <= 0:
+        return None
+    return flops / (time_s * max(n_gpus, 1) * peak_flops_per_gpu)
+
+
+# dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' data sheets; first match wins
+_PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+                    ("H20", 148e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12))
+
+
+def peak_flops_per_gpu(device_name: str | None = None) -> float | None:
+    """Peak bf16 FLOP/s of the GPU (the current CUDA device by default); None on CPU or unknown GPUs."""
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    for marker, flops in _PEAK_BF16_FLOPS:
+        if marker in device_name:
+            return flops
+    return None
+
+
+def max_memory_allocated_gb() -> float | None:
+    """perf/max_memory_allocated_gb: peak CUDA memory held by tensors (GiB); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+@contextmanager
+def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    """`with timer("gen", timings): ...` adds the block's wall time to timings[name] (seconds).
+
+    Adds rather than overwrites, so a stage run several times in a step (e.g. DAPO refills) counts in
+    full. It does not synchronise CUDA: stages end by bringing results to the CPU, which waits anyway.
+    """
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start

@@ -1,0 +1,1 @@
+"""Workers, one class per role: Policy (actor.py), Reference (reference.py), Critic (critic.py)."""

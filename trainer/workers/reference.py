@@ -1,0 +1,38 @@
+"""The reference worker: the frozen initial policy's logprobs, for the KL loss or the KL reward penalty.
+
+Same chunked computation and temperature as the policy's (trainer/workers/actor.py), so at step 0 the
+reference and policy logprobs are identical and every KL estimate is exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from trainer.batch import TrainBatch
+from trainer.workers.actor import DEFAULT_LOGITS_CHUNK_SIZE, batched_response_logprobs
+
+
+class Reference:
+    """A frozen policy: logprobs only, no optimizer, nothing to checkpoint beyond the initial weights."""
+
+    def __init__(self, model: PreTrainedModel, *, autocast_dtype: torch.dtype | None = None,
+                 logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.autocast_dtype = autocast_dtype
+        self.logits_chunk_size = logits_chunk_size
+
+    def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int, *, temperature: float = 1.0) -> Tensor:
+        """[B, T] sampled-token logprobs under the reference, 0 on padding."""
+        return batched_response_logprobs(
+            self.model, batch, micro_batch_size, temperature=temperature, with_entropy=False,
+            autocast_dtype=self.autocast_dtype, chunk_size=self.logits_chunk_size).logprobs
+
+    def state_dict(self) -> dict:
+        """For symmetry with the other workers; a loop that reloads the reference from the model path
+        at resume need not save it."""
+        return {"model": self.model.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
