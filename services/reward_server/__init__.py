@@ -1,0 +1,1 @@
+"""reward-server: checks answers (gsm8k, math-verify, Search-R1 QA, a neural reward model) for RL rewards."""

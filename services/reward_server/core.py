@@ -1,0 +1,308 @@
+"""The reward-server's core: which scorer an item gets, and `LocalScorer`, which scores batches.
+
+The server's routes and the trainer's `reward_model.mode=local` run this same class, so a reward
+is the same number whichever path computed it.
+
+Dispatch follows verl's `default_compute_score` (an item's explicit `scorer` field wins):
+  openai/gsm8k, gsm8k, synthetic-arith                                  -> gsm8k
+  nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle,
+  searchR1_*                                                             -> qa_em
+  lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, math_dapo, any name
+  containing "math", aime*, amc*, numina_*                               -> math
+verl scores math_dapo/aime with its own "Answer:" scorer and numina_* with prime_math; here all of
+them go through math-verify, which reads those answer styles too.
+
+Cheap scorers (gsm8k, QA) run inline: a regex over a 300-character tail costs microseconds, far less
+than a trip to another process. math-verify runs in the killable worker pool with a deadline per
+item; the reward model runs in a thread. An item that cannot be scored (unknown data_source, a
+ground truth of the wrong shape, a timeout) gets score 0 and `error`; the rest of its batch is unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from pydantic import BaseModel, Field
+
+from services.reward_server.pool import KillablePool
+from services.reward_server.schemas import RewardItem, RewardOptions, RewardResult, ScorerName
+from services.reward_server.scorers import gsm8k, qa, shaping
+from services.reward_server.scorers import math as math_scorer
+
+GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k", "synthetic-arith"})
+QA_SOURCES = frozenset({"nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"})
+MATH_PREFIXES = ("aime", "amc", "numina_")
+DEFAULT_OPTIONS = RewardOptions()
+
+
+class ScorerDoc(NamedTuple):
+    """What GET /v1/scorers says about a scorer."""
+
+    description: str
+    data_sources: str  # which data_source values select it
+    answer_format: str  # what format_bonus / format_penalty look for
+
+
+SCORER_DOCS: dict[str, ScorerDoc] = {
+    "gsm8k": ScorerDoc(
+        description="verl's GSM8K rule: the last '#### <number>' (strict) or the last number (flexible) "
+        "in the final 300 characters, compared as a string.",
+        data_sources="openai/gsm8k, gsm8k, synthetic-arith",
+        answer_format="a '#### <number>' in the final 300 characters",
+    ),
+    "math": ScorerDoc(
+        description="math-verify: a \\boxed{} / LaTeX / plain answer, equal symbolically or numerically.",
+        data_sources="lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, math_dapo, names containing "
+        "'math', aime*, amc*, numina_*",
+        answer_format="a closed \\boxed{...}",
+    ),
+    "qa_em": ScorerDoc(
+        description="Search-R1 exact match: the last <answer>...</answer>, SQuAD-normalised, "
+        "against the golden answers.",
+        data_sources="nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle, searchR1_*",
+        answer_format="exactly one <answer>...</answer>",
+    ),
+    "qa_f1": ScorerDoc(
+        description="Search-R1 token F1: the best SQuAD F1 of the last <answer>...</answer> "
+        "over the golden answers.",
+        data_sources="none (select with scorer='qa_f1')",
+        answer_format="exactly one <answer>...</answer>",
+    ),
+    "model": ScorerDoc(
+        description="A neural reward model (AutoModelForSequenceClassification) scoring (prompt, response).",
+        data_sources="none (select with scorer='model')",
+        answer_format="none (no format terms)",
+    ),
+}
+
+
+class ScorerSettings(BaseModel):
+    """What scoring needs beyond the request: worker pool, deadlines, the optional reward model."""
+
+    math_workers: int = Field(
+        default_factory=lambda: max(1, min(4, os.cpu_count() or 1)),
+        ge=1,
+        description="Processes running math-verify (default: CPUs, at most 4).",
+    )
+    math_timeout_s: float = Field(
+        10.0, gt=0, description="Deadline per math item; past it the worker is killed."
+    )
+    math_memory_limit_mb: int = Field(
+        4096, ge=0, description="Address-space limit of each math worker in MiB (0: none)."
+    )
+    reward_model: str | None = Field(
+        None, description="AutoModelForSequenceClassification path or hub id; enables scorer 'model'."
+    )
+    model_device: str = Field("auto", description="auto (cuda when available), cpu, cuda or cuda:N.")
+    model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on GPU, float32 on CPU."
+    )
+    model_batch_size: int = Field(16, ge=1, description="Pairs per reward-model forward pass.")
+    model_max_length: int = Field(4096, ge=8, description="Tokens per pair; longer inputs lose their start.")
+    model_threshold: float = Field(0.0, description="A reward-model score above this counts as `correct`.")
+    model_trust_remote_code: bool = Field(False, description="Allow the reward model's own modelling code.")
+
+
+@dataclass(slots=True)
+class Scored:
+    """One item's outcome before shaping; `well_formed` feeds the format terms."""
+
+    scorer: str
+    score: float = 0.0
+    correct: bool = False
+    extracted: str | None = None
+    error: str | None = None
+    well_formed: bool = False
+
+
+@functools.lru_cache(maxsize=4096)
+def scorer_for(data_source: str) -> ScorerName | None:
+    """The scorer verl would pick for this data_source; None when there is none."""
+    if data_source in GSM8K_SOURCES:
+        return "gsm8k"
+    if data_source in QA_SOURCES or data_source.startswith("searchR1_"):
+        return "qa_em"
+    lowered = data_source.lower()
+    if "math" in lowered or lowered.startswith(MATH_PREFIXES):
+        return "math"
+    return None
+
+
+def failed(scorer: str, error: str) -> Scored:
+    return Scored(scorer, error=error)
+
+
+def score_gsm8k_item(item: dict, options: RewardOptions) -> Scored:
+    ground_truth = item["ground_truth"]
+    if not isinstance(ground_truth, str):
+        return failed("gsm8k", "gsm8k ground_truth must be a string such as '72'")
+    result = gsm8k.score_gsm8k(item["response"], ground_truth, options.gsm8k_method, options.format_score)
+    well_formed = options.gsm8k_method == "strict" and result.extracted is not None
+    if not well_formed and (options.format_bonus or options.format_penalty):
+        well_formed = gsm8k.has_format(item["response"])
+    return Scored("gsm8k", result.score, result.correct, result.extracted, None, well_formed)
+
+
+def score_qa_item(item: dict, scorer: str, options: RewardOptions) -> Scored:
+    try:
+        answers = qa.golden_answers(item["ground_truth"])
+    except ValueError as exc:
+        return failed(scorer, str(exc))
+    score_fn = qa.score_qa_em if scorer == "qa_em" else qa.score_qa_f1
+    result = score_fn(item["response"], answers, options.format_score)
+    return Scored(
+        scorer, result.score, result.correct, result.extracted, None, qa.has_format(item["response"])
+    )
+
+
+def shape(scored: Scored, item: dict, options: RewardOptions) -> Scored:
+    """Add the format term and the overlong penalty the request switched on."""
+    if scored.error is not None:
+        return scored
+    if scored.scorer != "model" and (options.format_bonus or options.format_penalty):
+        scored.score += shaping.format_term(scored.well_formed, options.format_bonus, options.format_penalty)
+    if options.overlong_enable:
+        length = (item.get("extra_info") or {}).get("response_length")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            return failed(
+                scored.scorer, "overlong shaping needs extra_info.response_length (a token count >= 0)"
+            )
+        scored.score += shaping.overlong_penalty(
+            length, options.overlong_max_len, options.overlong_buffer_len, options.overlong_penalty_factor
+        )
+    return scored
+
+
+def unknown_scorer_message(item: dict) -> str:
+    if item.get("scorer"):  # only dicts given to LocalScorer directly; the server validated the name
+        return f"unknown scorer {item['scorer']!r}; use one of {', '.join(SCORER_DOCS)}"
+    return (
+        f"no scorer for data_source {item['data_source']!r}; set `scorer` to one of "
+        f"{', '.join(SCORER_DOCS)} (GET /v1/scorers lists the data sources)"
+    )
+
+
+def to_result(scored: Scored) -> RewardResult:
+    return RewardResult(
+        score=scored.score, correct=scored.correct, extracted=scored.extracted, error=scored.error
+    )
+
+
+class LocalScorer:
+    """Scores batches in this process: the reward-server's engine, and the trainer's `mode=local`.
+
+    `LocalScorer()` or `LocalScorer(settings)` or `LocalScorer(math_workers=2, ...)`. Starts its math
+    workers (and loads the reward model, if one is named) at construction; call `close()` when done.
+    The workers come from a multiprocessing forkserver, so, as with any multiprocessing user, a script
+    that builds one needs the `if __name__ == "__main__":` guard.
+    """
+
+    def __init__(self, settings: ScorerSettings | None = None, **fields) -> None:
+        if settings is not None and fields:
+            raise TypeError("pass either a ScorerSettings or its fields, not both")
+        self.settings = settings or ScorerSettings(**fields)
+        self.math_pool = KillablePool(
+            math_scorer.score_math,
+            workers=self.settings.math_workers,
+            timeout_s=self.settings.math_timeout_s,
+            memory_limit_mb=self.settings.math_memory_limit_mb,
+        )
+        self.math_pool.start()
+        self.reward_model = None
+        try:
+            if self.settings.reward_model:
+                from services.reward_server.scorers.model import RewardModel
+
+                s = self.settings
+                self.reward_model = RewardModel(
+                    s.reward_model,
+                    device=s.model_device,
+                    dtype=s.model_dtype,
+                    batch_size=s.model_batch_size,
+                    max_length=s.model_max_length,
+                    trust_remote_code=s.model_trust_remote_code,
+                )
+        except BaseException:
+            self.math_pool.close()
+            raise
+
+    def close(self) -> None:
+        self.math_pool.close()
+
+    async def __aenter__(self) -> LocalScorer:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def available(self, scorer: str) -> bool:
+        return scorer != "model" or self.reward_model is not None
+
+    async def score(
+        self, items: Sequence[RewardItem | dict], options: RewardOptions | None = None
+    ) -> list[RewardResult]:
+        # A pydantic model keeps its field values in __dict__: the dict form the core reads, for free.
+        fields = [item if isinstance(item, dict) else vars(item) for item in items]
+        return [to_result(scored) for scored in await self.score_items(fields, options)]
+
+    async def score_items(self, items: Sequence[dict], options: RewardOptions | None = None) -> list[Scored]:
+        """Like `score`, for items as validated dicts (schemas.RewardItemDict), keeping which scorer ran."""
+        options = options or DEFAULT_OPTIONS
+        scored: list[Scored | None] = [None] * len(items)
+        math_indices, model_indices = [], []
+        for index, item in enumerate(items):
+            name = item.get("scorer") or scorer_for(item["data_source"])
+            if name == "gsm8k":
+                scored[index] = score_gsm8k_item(item, options)
+            elif name == "qa_em" or name == "qa_f1":
+                scored[index] = score_qa_item(item, name, options)
+            elif name == "math":
+                math_indices.append(index)
+            elif name == "model":
+                model_indices.append(index)
+            else:
+                scored[index] = failed("none", unknown_scorer_message(item))
+        if math_indices or model_indices:
+            math_scored, model_scored = await asyncio.gather(
+                self._score_math([items[i] for i in math_indices], options),
+                self._score_model([items[i] for i in model_indices]),
+            )
+            for index, value in zip(math_indices + model_indices, math_scored + model_scored):
+                scored[index] = value
+        if not (options.format_bonus or options.format_penalty or options.overlong_enable):
+            return scored
+        return [shape(value, item, options) for value, item in zip(scored, items)]
+
+    async def _score_math(self, items: list[dict], options: RewardOptions) -> list[Scored]:
+        async def one(item: dict) -> Scored:
+            if not isinstance(item["ground_truth"], str):
+                return failed("math", "math ground_truth must be a string (LaTeX or plain)")
+            outcome = await self.math_pool.run(item["response"], item["ground_truth"], options.format_score)
+            if outcome.error is not None:
+                return failed("math", f"math-verify: {outcome.error}")
+            value = outcome.value
+            return Scored("math", value.score, value.correct, value.extracted, None, value.well_formed)
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+    async def _score_model(self, items: list[dict]) -> list[Scored]:
+        if not items:
+            return []
+        if self.reward_model is None:
+            return [
+                failed("model", "no reward model loaded (start the server with --reward-model)")
+                for _ in items
+            ]
+        prompts = [item.get("prompt") or "" for item in items]
+        responses = [item["response"] for item in items]
+        try:
+            values = await asyncio.to_thread(self.reward_model.score, prompts, responses)
+        except Exception as exc:  # noqa: BLE001 - e.g. CUDA out of memory: these items fail, the server lives
+            return [failed("model", f"reward model failed: {type(exc).__name__}: {exc}") for _ in items]
+        threshold = self.settings.model_threshold
+        return [Scored("model", value, value > threshold) for value in values]

@@ -1,0 +1,154 @@
+"""Wire contract of the reward-server (pydantic, torch-free): what the trainer and verl send and get back.
+
+`RewardItem` / `RewardsRequest` are the contract. `RewardItemDict` / `RewardsRequestDict` describe the
+same JSON as TypedDicts: the server validates a batch with them because building one pydantic model
+per item costs ~3 us, more than scoring a GSM8K answer (bench/reward_server.py); a test keeps the
+two forms in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator, with_config
+from typing_extensions import NotRequired, TypedDict
+
+ScorerName = Literal["gsm8k", "math", "qa_em", "qa_f1", "model"]
+
+
+class RewardOptions(BaseModel):
+    """Per-request scoring knobs. Every default lives here; the server keeps none of its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gsm8k_method: Literal["strict", "flexible"] = Field(
+        "strict",
+        description="strict: the last '#### <number>' in the tail; flexible: the tail's last number (verl).",
+    )
+    format_score: float = Field(
+        0.0, description="Score of an answer that was found but is wrong (verl's format_score)."
+    )
+    format_bonus: float = Field(
+        0.0, ge=0, description="Added when the response has the scorer's answer format (see GET /v1/scorers)."
+    )
+    format_penalty: float = Field(
+        0.0, ge=0, description="Subtracted when the response lacks the scorer's answer format."
+    )
+    overlong_enable: bool = Field(
+        False,
+        description="DAPO overlong shaping; needs extra_info.response_length (tokens) on every item.",
+    )
+    overlong_max_len: int = Field(
+        4096, ge=1, description="Longest response (tokens) the rollout may produce."
+    )
+    overlong_buffer_len: int = Field(
+        1024,
+        ge=0,
+        description="The penalty grows linearly over the last this-many tokens before max_len "
+        "(0: a full penalty only beyond max_len).",
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at (and beyond) max_len.")
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> RewardOptions:
+        if self.overlong_buffer_len > self.overlong_max_len:
+            raise ValueError("overlong_buffer_len must not exceed overlong_max_len")
+        return self
+
+
+class RewardItem(BaseModel):
+    """One response to score: a verl row's fields plus the generated text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_source: str = Field(description="Selects the scorer the way verl does, e.g. 'openai/gsm8k', 'nq'.")
+    response: str = Field(description="The generated text (the response only, not the prompt).")
+    ground_truth: str | list[str] | dict[str, Any] = Field(
+        description="reward_model.ground_truth: a string (gsm8k, math), or {'target': [...]} / a list (QA)."
+    )
+    extra_info: dict[str, Any] | None = Field(
+        None, description="verl's extra_info; response_length (tokens) here drives overlong shaping."
+    )
+    scorer: ScorerName | None = Field(None, description="Overrides the scorer chosen by data_source.")
+    prompt: str | None = Field(None, description="The prompt text; only the reward model reads it.")
+
+
+@with_config(ConfigDict(extra="forbid"))
+class RewardItemDict(TypedDict):
+    data_source: str
+    response: str
+    ground_truth: str | list[str] | dict[str, Any]
+    extra_info: NotRequired[dict[str, Any] | None]
+    scorer: NotRequired[ScorerName | None]
+    prompt: NotRequired[str | None]
+
+
+class RewardResult(BaseModel):
+    score: float
+    correct: bool
+    extracted: str | None = None
+    error: str | None = Field(None, description="Why this item could not be scored (its score is then 0).")
+
+
+class RewardsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[RewardItem]
+    options: RewardOptions | None = None
+
+
+@with_config(ConfigDict(extra="forbid"))
+class RewardsRequestDict(TypedDict):
+    items: list[RewardItemDict]
+    options: NotRequired[RewardOptions | None]
+
+
+REWARDS_REQUEST = TypeAdapter(RewardsRequestDict)
+
+
+class RewardsResponse(BaseModel):
+    results: list[RewardResult]
+
+
+class ScorerInfo(BaseModel):
+    name: ScorerName
+    description: str
+    data_sources: str = Field(description="Which data_source values select this scorer.")
+    answer_format: str = Field(description="What format_bonus / format_penalty look for.")
+    available: bool
+
+
+class Limits(BaseModel):
+    max_items: int
+    max_string_chars: int
+    max_request_bytes: int
+    math_timeout_s: float
+
+
+class ScorersResponse(BaseModel):
+    scorers: list[ScorerInfo]
+    default_options: RewardOptions
+    limits: Limits
+
+
+# The seed example's shapes (POST /reward, POST /batch_reward), kept so its clients keep working.
+class SeedRewardRequest(BaseModel):
+    prompt: str
+    response: str
+    ground_truth: str
+
+
+class SeedRewardResult(BaseModel):
+    reward: float
+    correct: bool
+    extracted_answer: str | None = None
+    details: str | None = None
+
+
+class SeedBatchRequest(BaseModel):
+    items: list[SeedRewardRequest]
+
+
+class SeedBatchResult(BaseModel):
+    rewards: list[SeedRewardResult]
+    accuracy: float

@@ -1,0 +1,111 @@
+"""The killable worker pool: a hung task is killed at its deadline, a dead worker replaced, others go on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from services.reward_server.pool import KillablePool
+
+
+def task(kind: str, arg):
+    """Runs in the pool's worker processes (so it lives at module level)."""
+    if kind == "echo":
+        return arg
+    if kind == "pid":
+        return os.getpid()
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "exit":
+        os._exit(arg)
+    if kind == "allocate_mb":
+        return len(bytearray(arg * 1024 * 1024))
+    if kind == "unpicklable":
+        return lambda: arg
+    raise ValueError(arg)
+
+
+@pytest.fixture()
+def pool():
+    pool = KillablePool(task, workers=2, timeout_s=0.5, memory_limit_mb=1024)
+    pool.start()
+    yield pool
+    pool.close()
+
+
+def test_results_and_errors(pool):
+    assert pool.submit("echo", {"a": [1, 2]}).result(10).value == {"a": [1, 2]}
+    failed = pool.submit("raise", "boom").result(10)
+    assert failed.value is None and failed.error == "ValueError: boom"
+    unsendable = pool.submit("unpicklable", 1).result(10)
+    assert unsendable.error.startswith("unsendable result:") and pool.crashes == 0
+
+
+def test_hung_task_is_killed_and_the_others_finish_meanwhile(pool):
+    start = time.monotonic()
+    hung = pool.submit("hang", None)
+    quick = [pool.submit("echo", i) for i in range(20)]
+    # the 20 quick tasks go through the other worker before the hung one reaches its deadline
+    assert [f.result(10).value for f in quick] == list(range(20))
+    assert not hung.done()
+    outcome = hung.result(10)
+    assert outcome.error == "timed out after 0.5s"
+    assert 0.5 <= time.monotonic() - start < 5.0
+    assert pool.timeouts == 1
+    # both workers (one of them the replacement) serve new tasks
+    assert [f.result(10).value for f in [pool.submit("echo", i) for i in range(4)]] == [0, 1, 2, 3]
+
+
+def test_dead_worker_is_replaced(pool):
+    before = {pool.submit("pid", None).result(10).value for _ in range(4)}
+    outcome = pool.submit("exit", 3).result(10)
+    assert outcome.error == "scoring worker died (exit code 3)"
+    assert pool.crashes == 1
+    assert [pool.submit("echo", i).result(10).value for i in range(4)] == [0, 1, 2, 3]
+    after = {pool.submit("pid", None).result(10).value for _ in range(8)}
+    assert after != before  # one of the two processes is new
+
+
+def test_memory_limit_turns_a_blowup_into_an_error(pool):
+    assert pool.submit("allocate_mb", 8).result(10).value == 8 * 1024 * 1024
+    outcome = pool.submit("allocate_mb", 4096).result(10)
+    assert outcome.error is not None and outcome.error.startswith("MemoryError")
+    assert pool.submit("echo", "still here").result(10).value == "still here"
+
+
+def test_async_run_does_not_block_the_event_loop(pool):
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        clock = asyncio.create_task(ticker())
+        outcomes = await asyncio.gather(pool.run("hang", None), pool.run("echo", 1))
+        clock.cancel()
+        return outcomes, ticks
+
+    (hung, echoed), ticks = asyncio.run(main())
+    assert hung.error == "timed out after 0.5s" and echoed.value == 1
+    assert ticks >= 20  # the loop kept ticking for the whole 0.5 s wait
+
+
+def test_close_fails_queued_tasks_and_stops_the_workers():
+    pool = KillablePool(task, workers=1, timeout_s=0.5)
+    pool.start()
+    process = pool._workers[0].process
+    running = pool.submit("hang", None)
+    time.sleep(0.1)
+    queued = [pool.submit("echo", i) for i in range(3)]
+    pool.close()
+    assert all(f.result(1).error == "the scoring pool was closed" for f in queued)
+    assert running.result(1).error == "timed out after 0.5s"
+    assert not process.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit("echo", 1)
