@@ -528,6 +528,13 @@ class RewardModelConfig(Section):
     overlong_buffer: OverlongBuffer = Field(
         default_factory=OverlongBuffer, description="DAPO overlong penalty."
     )
+    gsm8k_method: Literal["strict", "flexible"] = Field(
+        "strict",
+        description="GSM8K answers: strict = the last '#### N' (verl's default); flexible = the last number.",
+    )
+    format_score: float = Field(
+        0.0, description="Score of an answer that was found but is wrong (verl's format_score)."
+    )
     enable: bool = ignored(
         False, "A model-based reward model worker.", "the reward-server chooses the scorer"
     )

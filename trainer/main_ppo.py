@@ -48,9 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     print(config.resolved_yaml(), end="", flush=True)
     if dry_run:
         return 0
+    from services.common.client import ServiceError
     from trainer import loop  # imported here: torch and the models load only once the config is good
+    from trainer.data import PromptTooLongError
 
-    loop.fit(config)
+    try:
+        loop.fit(config)
+    except (loop.TrainingAborted, ServiceError, PromptTooLongError) as exc:
+        # A service that never became healthy or stayed down: one line, the checkpoint it left, no traceback.
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,237 @@
+"""The trainer end to end on CPU, through real data-server and reward-server processes.
+
+- learning: GRPO on a tiny random Qwen2 (char vocabulary) rises clearly on a reward it can learn;
+- resume: 4 steps straight == 2 steps, stop, resume, 2 steps (bit-identical parameters);
+- outage: the reward-server killed and restarted mid-run -> the run goes on, no batch lost or repeated;
+  killed for good -> a clear error and a usable last checkpoint;
+- verl's two seed commands run as written (small model and sizes substituted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.data_server.export import write_verl_parquet
+from services.data_server.sources import gsm8k_row
+from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
+from tests.trainer.test_config import GRPO_QWEN3, PPO_QUICKSTART, argv_of, small
+from trainer.checkpoint import load_train_state
+from trainer.tiny import make_tiny_model
+
+# Every answer is 7: a policy that ends its response with the digit 7 scores 1 (gsm8k, flexible).
+# A random char-level model does so ~3% of the time, so GRPO has a signal from the first step.
+SEVEN_ROWS = [{"question": f"Question {i}: say the number.", "answer": "#### 7"} for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("model") / "tiny"
+    make_tiny_model(folder, hidden=64, layers=2, heads=4, kv_heads=2, seed=0, tokenizer="char")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def seven_data(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("seven")
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in SEVEN_ROWS) + "\n")
+    (folder / "test.jsonl").write_text("\n".join(json.dumps(r) for r in SEVEN_ROWS[:8]) + "\n")
+    for split in ("train", "test"):
+        rows = [gsm8k_row(r["question"], r["answer"], split, i) for i, r in enumerate(SEVEN_ROWS)]
+        write_verl_parquet(rows, folder / "parquet" / f"{split}.parquet")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def data_server(seven_data):
+    with service_process("services.data_server", "--datasets", f"seven={seven_data}", "--log-level", "warning") as (
+        url, _):
+        yield url
+
+
+def start_reward_server(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.reward_server", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "warning"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(f"http://127.0.0.1:{port}", 120, proc)
+    return proc
+
+
+def common_args(model: Path, workdir: Path, steps: int) -> list[str]:
+    return [
+        "algorithm.adv_estimator=grpo", f"actor_rollout_ref.model.path={model}",
+        "data.train_batch_size=8", "data.max_prompt_length=160", "data.max_response_length=6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.optim.lr=3e-3",
+        "actor_rollout_ref.rollout.n=8", "reward_model.gsm8k_method=flexible",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.device=cpu", "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={workdir / 'ckpt'}", f"trainer.log_dir={workdir / 'run'}",
+        f"trainer.rollout_data_dir={workdir / 'rollouts'}",
+    ]
+
+
+def train(args: list[str], *, timeout: float = 600, env: dict | None = None, check: bool = True):
+    done = subprocess.run([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def metrics_of(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_uids(workdir: Path, steps: int) -> list[str]:
+    uids = []
+    for step in range(1, steps + 1):
+        rows = [json.loads(line) for line in (workdir / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        uids += list(dict.fromkeys(row["uid"] for row in rows))  # n rows per prompt, in order
+    return uids
+
+
+def served_uids(url: str, batches: int, batch_size: int = 8) -> list[str]:
+    """What the data-server hands out, walking its cursor from the start."""
+    uids, cursor = [], None
+    for _ in range(batches):
+        body = httpx.post(url + "/v1/batches", json={"dataset": "seven", "batch_size": batch_size,
+                                                     "cursor": cursor}).json()
+        uids += [item["uid"] for item in body["items"]]
+        cursor = body["next_cursor"]
+    return uids
+
+
+def test_grpo_learns_through_real_services(tiny_model, data_server, tmp_path):
+    port = free_port()
+    reward = start_reward_server(port)
+    try:
+        train(common_args(tiny_model, tmp_path, 30) + [
+            "data.source=server", "data.dataset=seven", f"services.data_url={data_server}",
+            f"services.reward_url=http://127.0.0.1:{port}", "reward_model.mode=server", "trainer.save_freq=-1"])
+    finally:
+        stop_process(reward)
+    scores = [m["critic/score/mean"] for m in metrics_of(tmp_path) if "critic/score/mean" in m]
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    assert len(scores) == 30
+    assert first < 0.2 and last > first + 0.3, scores
+    assert trained_uids(tmp_path, 30) == served_uids(data_server, 30)  # every batch, in order, once
+
+
+def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
+    files = [f"data.train_files={seven_data / 'parquet/train.parquet'}", "reward_model.mode=local",
+             "trainer.save_freq=2", "data.max_response_length=4", "actor_rollout_ref.rollout.n=4",
+             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(common_args(tiny_model, straight, 4) + files)
+    train(common_args(tiny_model, split, 2) + files)
+    assert not (split / "ckpt" / "global_step_4").exists()
+    resumed = train(common_args(tiny_model, split, 4) + files)
+    assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
+    a = load_file(straight / "ckpt/global_step_4/actor/model.safetensors")
+    b = load_file(split / "ckpt/global_step_4/actor/model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    # the data cursor and the tracker's run id travelled with the checkpoint
+    assert load_train_state(split / "ckpt/global_step_4").data_cursor == load_train_state(
+        straight / "ckpt/global_step_4").data_cursor
+    assert len({m.get("step") for m in metrics_of(split)}) == 4
+
+
+def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    path = workdir / "run" / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        if path.exists() and any(json.loads(l).get("step") == step for l in path.read_text().splitlines() if l):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} never logged")
+
+
+def test_reward_server_restart_mid_run_loses_nothing(tiny_model, data_server, tmp_path):
+    port = free_port()
+    reward = start_reward_server(port)
+    args = common_args(tiny_model, tmp_path, 6) + [
+        "data.source=server", "data.dataset=seven", f"services.data_url={data_server}",
+        f"services.reward_url=http://127.0.0.1:{port}", "services.retries=12", "trainer.save_freq=-1"]
+    trainer = subprocess.Popen([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(tmp_path, 2, trainer)
+        reward.send_signal(signal.SIGKILL)
+        reward.wait()
+        time.sleep(1.0)  # the trainer hits a dead port meanwhile and backs off
+        reward = start_reward_server(port)
+        assert trainer.wait(timeout=300) == 0, trainer.stderr.read()[-3000:]
+    finally:
+        stop_process(trainer)
+        stop_process(reward)
+    assert [m["step"] for m in metrics_of(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert trained_uids(tmp_path, 6) == served_uids(data_server, 6)
+
+
+def test_reward_server_gone_for_good_ends_with_clear_error_and_checkpoint(tiny_model, data_server, tmp_path):
+    port = free_port()
+    reward = start_reward_server(port)
+    args = common_args(tiny_model, tmp_path, 50) + [
+        "data.source=server", "data.dataset=seven", f"services.data_url={data_server}",
+        f"services.reward_url=http://127.0.0.1:{port}", "services.retries=2", "trainer.save_freq=2"]
+    trainer = subprocess.Popen([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(tmp_path, 3, trainer)
+        stop_process(reward)
+        code = trainer.wait(timeout=300)
+        stderr = trainer.stderr.read()
+    finally:
+        stop_process(trainer)
+    assert code == 1
+    error = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "stayed unreachable" in error[0] and "Traceback" not in stderr
+    path = Path(error[0].rsplit("last usable checkpoint: ", 1)[1])
+    state = load_train_state(path)
+    assert state.step >= 3 and state.data_cursor  # the steps completed before the outage are kept
+
+
+@pytest.fixture
+def verl_home(tmp_path, tiny_model, seven_data):
+    """$HOME with ~/data/gsm8k/{train,test}.parquet and ~/models/tiny, as the seed commands expect."""
+    for split in ("train", "test"):
+        target = tmp_path / "data" / "gsm8k" / f"{split}.parquet"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((seven_data / "parquet" / f"{split}.parquet").read_bytes())
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny_model)
+    return tmp_path
+
+
+@pytest.mark.parametrize("command", [PPO_QUICKSTART, GRPO_QWEN3], ids=["ppo-quickstart", "grpo-qwen3"])
+def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(verl_home))
+    port = free_port()
+    reward = start_reward_server(port)
+    env = {"HOME": str(verl_home), "REWARD_SERVER_URL": f"http://127.0.0.1:{port}", "WANDB_MODE": "offline",
+           "WANDB_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "trainer.main_ppo", *argv_of(small(command))],
+                              cwd=verl_home, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    finally:
+        stop_process(reward)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step:1 - " in done.stdout
+    assert "val-core/openai/gsm8k/acc/mean@1" in done.stdout
+    if command is PPO_QUICKSTART:
+        assert "critic/vf_loss" in done.stdout  # PPO with a critic
+    else:
+        assert "actor/kl_loss" in done.stdout  # GRPO with the low_var_kl loss

@@ -1,0 +1,122 @@
+"""Rewards for rollouts: the reward-server over HTTP, or the same scoring code in this process.
+
+`reward_model.mode=server` (default) sends batches to the reward-server (retries, replicas);
+`mode=local` runs services.reward_server's LocalScorer here, or a verl-style
+`custom_reward_function.path/name` when one is named. Either way the loop sees one call:
+`await scorer.score(items, options) -> list[RewardResult]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from services.reward_server.schemas import RewardOptions, RewardResult
+from trainer.data import PromptRecord
+from trainer.rollout.base import Rollout
+
+
+class Scorer(Protocol):
+    async def score(self, items: Sequence[dict], options: RewardOptions | None = None) -> list[RewardResult]: ...
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One step's rewards, aligned with the rollouts."""
+
+    scores: torch.Tensor  # [B] float32
+    correct: torch.Tensor  # [B] float32, 1.0 where the answer was right
+    errors: int  # items the scorer could not score (score 0)
+
+
+def reward_items(prompts: Sequence[PromptRecord], rollouts: Sequence[Rollout], tokenizer) -> list[dict]:
+    """Reward-server items: the decoded response plus the prompt's reward fields."""
+    texts = tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+    items = []
+    for rollout, text in zip(rollouts, texts, strict=True):
+        prompt = prompts[rollout.prompt_index]
+        extra = {**(prompt.extra_info or {}), "response_length": len(rollout.response_ids)}
+        items.append({"data_source": prompt.data_source, "response": text, "ground_truth": prompt.ground_truth,
+                      "extra_info": extra, "prompt": prompt.raw_prompt[-1]["content"] if prompt.raw_prompt else None})
+    return items
+
+
+def reward_options(reward_model, max_response_length: int) -> RewardOptions:
+    """RewardOptions from the config's reward_model section (trainer.config.RewardModelConfig)."""
+    overlong = reward_model.overlong_buffer
+    shaping = {}
+    if overlong.enable:
+        shaping = {"overlong_enable": True, "overlong_max_len": max_response_length,
+                   "overlong_buffer_len": min(overlong.len, max_response_length),
+                   "overlong_penalty_factor": overlong.penalty_factor}
+    return RewardOptions(gsm8k_method=reward_model.gsm8k_method, format_score=reward_model.format_score, **shaping)
+
+
+async def score_rollouts(scorer: Scorer, items: list[dict], options: RewardOptions) -> Scores:
+    results = await scorer.score(items, options)
+    return Scores(
+        scores=torch.tensor([r.score for r in results], dtype=torch.float32),
+        correct=torch.tensor([1.0 if r.correct else 0.0 for r in results], dtype=torch.float32),
+        errors=sum(r.error is not None for r in results),
+    )
+
+
+class CustomFunctionScorer:
+    """verl's custom_reward_function: `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`."""
+
+    def __init__(self, path: str, name: str) -> None:
+        spec = importlib.util.spec_from_file_location("custom_reward_module", path)
+        if spec is None or spec.loader is None:
+            raise FileNotFoundError(f"custom_reward_function.path {path!r} is not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, name):
+            raise AttributeError(f"custom_reward_function: {path} has no function {name!r}")
+        self.fn: Callable[..., Any] = getattr(module, name)
+
+    async def score(self, items: Sequence[dict], options: RewardOptions | None = None) -> list[RewardResult]:
+        return await asyncio.to_thread(lambda: [self._one(item) for item in items])
+
+    def _one(self, item: dict) -> RewardResult:
+        value = self.fn(item["data_source"], item["response"], item["ground_truth"], item.get("extra_info"))
+        if inspect.isawaitable(value):
+            raise TypeError("custom_reward_function must be synchronous")
+        score = float(value["score"] if isinstance(value, dict) else value)
+        correct = bool(value.get("acc", score > 0)) if isinstance(value, dict) else score > 0
+        return RewardResult(score=score, correct=correct)
+
+    def close(self) -> None:
+        pass
+
+
+async def open_scorer(mode: str, *, urls: list[str], timeout_s: float, retries: int, token: str | None,
+                      health_timeout_s: float, custom_path: str | None, custom_name: str):
+    """The scorer the config names; the server one has answered /health. Close with `close_scorer`."""
+    if mode == "local":
+        if custom_path:
+            return CustomFunctionScorer(custom_path, custom_name)
+        from services.reward_server.core import LocalScorer
+
+        return LocalScorer()
+    from services.reward_server.client import RewardClient
+
+    client = RewardClient(urls, timeout_s=timeout_s, retries=retries, token=token)
+    try:
+        await client.wait_healthy(health_timeout_s)
+    except BaseException:
+        await client.aclose()
+        raise
+    return client
+
+
+async def close_scorer(scorer) -> None:
+    if hasattr(scorer, "aclose"):
+        await scorer.aclose()
+    else:
+        scorer.close()
