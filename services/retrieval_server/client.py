@@ -1,0 +1,47 @@
+"""Async client of the retrieval-server, for the trainer's agent loop (retries: services.common.client)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.client import AsyncServiceClient
+from services.retrieval_server.schemas import Document, Hit
+
+
+class RetrievalClient:
+    def __init__(self, urls: str | Sequence[str], **policy) -> None:
+        self.http = AsyncServiceClient(urls, **policy)
+
+    async def __aenter__(self) -> RetrievalClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        await self.http.wait_healthy(timeout_s)
+
+    async def retrieve(
+        self, queries: list[str], topk: int = 3, return_scores: bool = True
+    ) -> list[list[Hit]]:
+        """Per query, the topk passages, best first (score None when return_scores is false)."""
+        payload = {"queries": list(queries), "topk": topk, "return_scores": return_scores}
+        result = (await self.http.post("/retrieve", payload))["result"]
+        if return_scores:
+            return [[Hit.model_validate(hit) for hit in hits] for hits in result]
+        return [[Hit(document=Document.model_validate(doc)) for doc in docs] for docs in result]
+
+
+def format_passages(hits: list[Hit]) -> str:
+    """One query's hits as the text Search-R1's policy was trained to read (inside <information>).
+
+    Search-R1 writes `Doc i(Title: <first line of contents, quotes kept>) <rest>` one per line.
+    """
+    lines = []
+    for i, hit in enumerate(hits, start=1):
+        title, _, text = hit.document.contents.partition("\n")
+        lines.append(f"Doc {i}(Title: {title}) {text}\n")
+    return "".join(lines)

@@ -1,0 +1,65 @@
+"""Wire contract of the retrieval-server (pydantic, torch-free): Search-R1's `/retrieve`, exactly.
+
+Request  `{"queries": [...], "topk": 3, "return_scores": true}`
+Response `{"result": [[{"document": {"id": ..., "contents": ...}, "score": s}, ...] per query]}`
+         or, with `return_scores` false, `{"result": [[{"id": ..., "contents": ...}, ...] per query]}`.
+
+The defaults are Search-R1's: `topk` omitted or null means the server's default (3), and
+`return_scores` is false unless asked for. `contents` is `"Title"\\ntext`, the corpus format that
+verl's SearchTool splits into a title line and a body.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr
+
+
+def _not_blank(query: str) -> str:
+    if not query.strip():
+        raise ValueError("query is an empty string")
+    return query
+
+
+Query = Annotated[StrictStr, AfterValidator(_not_blank)]
+
+
+class RetrieveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    queries: list[Query] = Field(..., min_length=1, description="Search queries; one result list per query.")
+    topk: int | None = Field(
+        None, description="Passages per query, 1..max_topk; omitted or null: the server's default_topk."
+    )
+    return_scores: bool = Field(
+        False, description="true: each hit is {document, score}; false: the document alone."
+    )
+
+
+class Document(BaseModel):
+    """One corpus passage as the store holds it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    contents: str = Field(description='"Title"\\ntext, as in Search-R1\'s wiki-18 corpus.')
+
+    @property
+    def title(self) -> str:
+        return self.contents.split("\n", 1)[0].strip('"')
+
+    @property
+    def text(self) -> str:
+        return self.contents.split("\n", 1)[1] if "\n" in self.contents else ""
+
+
+class Hit(BaseModel):
+    document: Document
+    score: float | None = Field(None, description="Inner product of normalised embeddings (BM25: its score).")
+
+
+class RetrieveResponse(BaseModel):
+    result: list[list[Hit]] | list[list[Document]] = Field(
+        description="Per query, the topk best passages, best first ({document, score} when return_scores)."
+    )
