@@ -326,7 +326,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
 async def build_run(cfg: Config) -> Run:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     device = resolve_device(trainer.device)
-    precision = default_precision(device)
+    precision = default_precision(device, trainer.mixed_precision)
     if arr.rollout.name in ("sglang", "vllm"):
         log.warning(f"rollout.name={arr.rollout.name}: that engine is not wired in yet; using the built-in engine")
     tokenizer = load_tokenizer(cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code)

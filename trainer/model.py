@@ -65,10 +65,10 @@ class Precision:
     autocast_dtype: torch.dtype | None
 
 
-def default_precision(device: torch.device | str) -> Precision:
-    if torch.device(device).type == "cuda":
-        return Precision(param_dtype=torch.float32, autocast_dtype=torch.bfloat16)
-    return Precision(param_dtype=torch.float32, autocast_dtype=None)
+def default_precision(device: torch.device | str, mixed_precision: str = "auto") -> Precision:
+    """fp32 parameters always; bf16 autocast on CUDA by default, or wherever `mixed_precision="bf16"`."""
+    bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and torch.device(device).type == "cuda")
+    return Precision(param_dtype=torch.float32, autocast_dtype=torch.bfloat16 if bf16 else None)
 
 
 def autocast(device: torch.device | str, dtype: torch.dtype | None):

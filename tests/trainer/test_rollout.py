@@ -233,3 +233,13 @@ def test_train_batch_split_select_to_and_group_ids():
         TrainBatch.from_rollouts(rollouts, pad_id=0, response_width=3)
     with pytest.raises(ValueError, match="no rollouts"):
         TrainBatch.from_rollouts([], pad_id=0)
+
+
+def test_shared_prefixes_groups_consecutive_samples():
+    from trainer.rollout.hf_engine import shared_prefixes
+
+    rows = [(0, [5, 6]), (0, [5, 6]), (1, [7]), (1, [7]), (1, [7]), (0, [5, 6])]
+    unique, expand = shared_prefixes(rows)
+    # runs: rows 0-1 (prompt 0), rows 2-4 (prompt 1), row 5 (prompt 0 again, a new run)
+    assert unique == [0, 2, 5]
+    assert expand.tolist() == [0, 0, 1, 1, 1, 2]

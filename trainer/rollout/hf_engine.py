@@ -5,8 +5,8 @@ the logprob of each sampled token under log_softmax(logits / temperature) (see r
 on token ids and on stop strings, and the finish reason of each response.
 
 Prompts are left-padded into one batch (position ids count real tokens only, as the trainer's
-teacher-forced forward does), the prompt is run once to fill the cache, then one token per step for
-every unfinished row. A response ends right after the token that is a stop token id (eos and im_end by
+teacher-forced forward does), each distinct prompt is run once to fill the cache (its n samples share
+that prefill), then one token per step for every unfinished row. A response ends right after the token that is a stop token id (eos and im_end by
 default) or that completes a stop string; that token is kept and trained on, so the policy learns
 to stop. Rows that finished keep being fed padding until the whole batch is done; it is simple and
 correct, and the fast engine of a later issue does continuous batching instead.
@@ -40,6 +40,21 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Ten
         input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         attention_mask[row, width - len(prompt):] = 1
     return input_ids.to(device), attention_mask.to(device)
+
+
+def shared_prefixes(rows: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[int], Tensor]:
+    """(first row of each run of rows with the same prompt, the run index of every row).
+
+    rows of one prompt are consecutive (n samples each), so prefilling `unique` and selecting
+    `expand` from the results gives every row its prompt's cache and next-token logits.
+    """
+    unique: list[int] = []
+    expand: list[int] = []
+    for row, (index, _) in enumerate(rows):
+        if not unique or rows[unique[-1]][0] != index:
+            unique.append(row)
+        expand.append(len(unique) - 1)
+    return unique, torch.tensor(expand, dtype=torch.long)
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
@@ -151,7 +166,10 @@ class HFRolloutEngine:
         self, rows: list[tuple[int, list[int]]], sampling: SamplingParams, generator: torch.Generator | None
     ) -> list[Rollout]:
         device = self.device
-        input_ids, attention_mask = left_pad([prompt for _, prompt in rows], self.pad_id, device)
+        # The n samples of a prompt are consecutive rows: run each distinct prompt through the model once
+        # and copy its KV cache to its samples, instead of n identical prefills.
+        unique, expand = shared_prefixes(rows)
+        input_ids, attention_mask = left_pad([rows[i][1] for i in unique], self.pad_id, device)
         position_ids = positions_from_mask(attention_mask)
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=device)
         finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
@@ -159,6 +177,10 @@ class HFRolloutEngine:
         tokens, logprobs = [], []
         cache = DynamicCache()
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if len(unique) < len(rows):
+            expand = expand.to(device)
+            cache.batch_select_indices(expand)
+            logits, attention_mask, position_ids = logits[expand], attention_mask[expand], position_ids[expand]
         for step in range(sampling.max_new_tokens):
             token, logprob = sample_next_token(logits, sampling, generator)
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
