@@ -1,0 +1,481 @@
+"""The SkyPilot YAMLs, loaded offline with SkyPilot's own loader, and the shell helpers they call.
+
+What would break a launch that no cloud is needed to see: a malformed header, a trainer URL naming a
+task or port that does not exist, a `python -m` module / subcommand / flag that is not there, a GPU on
+a CPU service, checkpoints off the bucket, a health wait that does not fail when a service is down.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT, free_port, service_process
+
+JOBGROUP = ROOT / "jobgroup"
+SCRIPTS = JOBGROUP / "scripts"
+GROUP_YAMLS = ["verl-grpo.yaml", "verl-grpo-math.yaml"]
+ALL_YAMLS = [*GROUP_YAMLS, "multinode.yaml"]
+TRAINER = "verl-trainer"
+# Which env var carries which service's URLs (the trainer's clients default from these).
+URL_VARS = {
+    "DATA_SERVER_URL": "data-server",
+    "REWARD_SERVER_URL": "reward-server",
+    "RETRIEVAL_SERVER_URL": "retrieval-server",
+}
+# Modules other engineers are still building: a missing one skips its check instead of failing it.
+PENDING_MODULES = {"services.reward_server", "trainer.main_ppo"}
+DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+
+# ---------------------------------------------------------------- parsing the commands a YAML runs
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    module: str
+    subcommand: str | None
+    flags: tuple[str, ...]
+    where: str
+
+
+_PYTHON_M = re.compile(r'(?:python3?|"\$python"|"\$\{PYTHON:-python\}")\s+-m\s+([A-Za-z_][\w.]*)([^\n;&|]*)')
+_FLAG = re.compile(r"(?:^|[\s+\"])(--[a-z][a-z0-9-]*)")
+_SCRIPT = re.compile(r"\b(jobgroup/scripts/[\w.-]+\.sh)\b")
+_SUBCOMMAND = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+def join_continuations(text: str) -> str:
+    return re.sub(r"\\\n\s*", " ", text)
+
+
+def module_calls(text: str, where: str) -> list[ModuleCall]:
+    """Every `python -m MODULE [SUBCOMMAND] --flags` in a shell text (line continuations joined)."""
+    calls = []
+    for match in _PYTHON_M.finditer(join_continuations(text)):
+        rest = match.group(2)
+        first = rest.split()[0] if rest.split() else ""
+        subcommand = first if _SUBCOMMAND.match(first) else None
+        calls.append(ModuleCall(match.group(1), subcommand, tuple(_FLAG.findall(rest)), where))
+    return calls
+
+
+def scripts_called(text: str) -> list[str]:
+    return sorted(set(_SCRIPT.findall(text)))
+
+
+def all_module_calls(text: str, where: str) -> list[ModuleCall]:
+    """The calls in `text` plus those inside the helper scripts it runs."""
+    calls = module_calls(text, where)
+    for script in scripts_called(text):
+        path = ROOT / script
+        if path.exists():
+            calls += module_calls(path.read_text(), f"{where} -> {script}")
+    return calls
+
+
+@functools.cache
+def cli_help(module: str, subcommand: str | None) -> str:
+    """`python -m module [subcommand] --help`; fails the test if that does not exit 0."""
+    argv = [sys.executable, "-m", module, *([subcommand] if subcommand else []), "--help"]
+    result = subprocess.run(argv, cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{' '.join(argv[1:])} failed:\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
+def runnable(module: str) -> bool:
+    """What `python -m module` needs: the module, or a package with a __main__."""
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(module + ".__main__")
+    except ModuleNotFoundError:
+        return False
+    return spec is not None
+
+
+def check_module_call(call: ModuleCall) -> None:
+    """The module is importable, the subcommand exists, every flag used appears in its --help."""
+    if not runnable(call.module):
+        if call.module in PENDING_MODULES:
+            pytest.skip(f"{call.module} is not built yet ({call.where})")
+        pytest.fail(f"{call.where}: python -m {call.module}: no such module")
+    if call.module == "trainer.main_ppo":
+        return  # key=value arguments, no flags
+    help_text = cli_help(call.module, call.subcommand)
+    missing = [flag for flag in call.flags if not re.search(re.escape(flag) + r"\b", help_text)]
+    assert not missing, f"{call.where}: python -m {call.module} {call.subcommand or ''} has no {missing}"
+
+
+def served_port(run: str) -> int:
+    match = re.search(r"(?:--port[ =]|_PORT=)(\d+)", run)
+    assert match, f"no port in run section:\n{run}"
+    return int(match.group(1))
+
+
+def exported_urls(run: str, group: str) -> dict[str, str]:
+    """Run the `group=` / `export *_URL=` lines of a run section in bash and read back the URLs."""
+    lines = [line for line in run.splitlines() if re.match(r"\s*(group=|export \w+_URL=)", line)]
+    script = "\n".join(lines) + "\nenv | grep '_URL=' || true\n"
+    result = subprocess.run(
+        ["bash", "-c", script],
+        env={"PATH": os.environ["PATH"], "SKYPILOT_JOBGROUP_NAME": group},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(line.split("=", 1) for line in result.stdout.split())
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load(name: str, env: dict | None = None, secrets: dict | None = None):
+    """SkyPilot's own loader (imported here so test_compose can share the helpers without SkyPilot)."""
+    from sky.utils import dag_utils
+
+    return dag_utils.load_dag_from_yaml(
+        str(JOBGROUP / name),
+        env_overrides=list((env or {}).items()) or None,
+        secrets_overrides=list((secrets or {}).items()) or None,
+    )
+
+
+def tasks_by_name(dag) -> dict:
+    return {task.name: task for task in dag.tasks}
+
+
+def accelerators(task) -> list:
+    return [r.accelerators for r in task.resources if r.accelerators]
+
+
+# ---------------------------------------------------------------- the job groups
+
+
+@pytest.mark.parametrize("name", GROUP_YAMLS)
+def test_job_group_header_and_tasks(name):
+    header = next(yaml.safe_load_all((JOBGROUP / name).read_text()))
+    assert set(header) == {"name", "execution", "primary_tasks", "termination_delay"}
+    assert header["execution"] == "parallel"
+    dag = load(name)
+    assert dag.is_job_group() and dag.name == header["name"]
+    assert dag.primary_tasks == [TRAINER]
+    tasks = tasks_by_name(dag)
+    assert TRAINER in tasks and {"data-server", "reward-server"} <= set(tasks)
+    assert sorted(dag.get_auxiliary_task_names()) == sorted(set(tasks) - {TRAINER})
+    assert dag.get_termination_delay_secs("data-server") >= 10
+    for task_name in tasks:  # hostnames are {task}-{i}.{group}: DNS labels
+        assert DNS_LABEL.match(task_name), task_name
+    assert ("retrieval-server" in tasks) == (name == "verl-grpo.yaml")
+
+
+@pytest.mark.parametrize("name", GROUP_YAMLS)
+def test_trainer_urls_name_real_tasks_ports_and_every_replica(name):
+    tasks = tasks_by_name(load(name))
+    run = tasks[TRAINER].run
+    assert "group=$SKYPILOT_JOBGROUP_NAME" in run
+    urls = exported_urls(run, group="g1")
+    services = {n: t for n, t in tasks.items() if n != TRAINER}
+    assert {URL_VARS[var] for var in urls} == set(services), urls  # one URL variable per service, no more
+    for var, value in urls.items():
+        service = URL_VARS[var]
+        expected = [
+            f"http://{service}-{i}.g1:{served_port(services[service].run)}"
+            for i in range(services[service].num_nodes)
+        ]
+        assert value.split(",") == expected, f"{var}={value}"
+    if name == "verl-grpo.yaml":
+        assert services["retrieval-server"].num_nodes == 2
+        assert len(urls["RETRIEVAL_SERVER_URL"].split(",")) == 2
+
+
+@pytest.mark.parametrize("name", GROUP_YAMLS)
+def test_trainer_waits_for_every_service_before_training(name):
+    tasks = tasks_by_name(load(name))
+    run = join_continuations(tasks[TRAINER].run)
+    wait_line = next(line for line in run.splitlines() if "wait_for_services.sh" in line)
+    waited = dict(arg.split("=", 1) for arg in shlex.split(wait_line) if "=" in arg)
+    assert set(waited) == set(tasks) - {TRAINER}
+    for service, ref in waited.items():  # each waits on the variable holding that service's URLs
+        assert URL_VARS[ref.lstrip("$").strip("{}")] == service
+    lines = [line for line in run.splitlines() if "--follow" not in line]  # rank 0's path
+    order = [
+        next(i for i, line in enumerate(lines) if key in line)
+        for key in ("start_ray.sh", "wait_", "train.sh")
+    ]
+    assert order == sorted(order), "Ray head, then the health wait, then training"
+    assert "set -euo pipefail" in run  # a failed wait stops the task before training
+
+
+@pytest.mark.parametrize("name", ALL_YAMLS)
+def test_every_cli_the_yaml_calls_exists(name):
+    dag = load(name)
+    for task in dag.tasks:
+        text = f"{task.setup or ''}\n{task.run or ''}"
+        for script in scripts_called(text):
+            assert (ROOT / script).is_file(), f"{name}/{task.name}: {script} does not exist"
+        calls = all_module_calls(text, f"{name}/{task.name}")
+        assert calls, f"{name}/{task.name} runs no python module"
+        for call in calls:
+            if call.module not in PENDING_MODULES:
+                check_module_call(call)
+    pending = [
+        c for t in dag.tasks for c in all_module_calls(t.run or "", t.name) if c.module in PENDING_MODULES
+    ]
+    for call in pending:  # last, since a not-yet-built module skips the rest of the test
+        check_module_call(call)
+
+
+@pytest.mark.parametrize("name", ALL_YAMLS)
+def test_gpus_only_where_training_runs(name):
+    dag = load(name)
+    for task in dag.tasks:
+        if task.name in (TRAINER, "rl-multinode"):
+            assert accelerators(task), f"{task.name} has no GPU"
+            assert any("8265" in (r.ports or []) for r in task.resources), "Ray dashboard port not exposed"
+        else:
+            assert not accelerators(task), f"CPU service {task.name} asks for {accelerators(task)}"
+            assert all(r.cpus for r in task.resources), f"{task.name} names no CPU count"
+
+
+@pytest.mark.parametrize("name", ALL_YAMLS)
+def test_checkpoints_on_a_bucket_and_resume_auto(name):
+    dag = load(name, env={"CHECKPOINT_BUCKET": "my-ckpt-bucket"})
+    trainer = next(t for t in dag.tasks if accelerators(t))
+    mount = trainer.storage_mounts["/checkpoints"]
+    assert mount.name == "my-ckpt-bucket"  # the --env override reaches the bucket name
+    assert mount.mode.value in ("MOUNT", "MOUNT_CACHED")
+    if name == "multinode.yaml":
+        args = join_continuations(trainer.run)
+        assert "trainer.resume_mode=auto" in args
+        assert re.search(r"trainer\.default_local_dir=/checkpoints/", args)
+    else:
+        argv = train_sh_argv({**trainer.envs, **exported_urls(trainer.run, group="g0")})
+        assert "trainer.resume_mode=auto" in argv
+        assert next(a for a in argv if a.startswith("trainer.default_local_dir=")).startswith(
+            "trainer.default_local_dir=/checkpoints/"
+        )
+
+
+# ---------------------------------------------------------------- train.sh: envs -> trainer keys
+
+
+def train_sh_argv(envs: dict, extra: tuple[str, ...] = ()) -> list[str]:
+    env = {"PATH": os.environ["PATH"], "DRY_RUN": "1", **{k: str(v) for k, v in envs.items()}}
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "train.sh"), *extra],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_train_sh_maps_the_trainer_envs_to_trainer_keys():
+    trainer = tasks_by_name(load("verl-grpo.yaml", env={"TOTAL_STEPS": "7"}, secrets={"WANDB_API_KEY": "k"}))[
+        TRAINER
+    ]
+    urls = exported_urls(trainer.run, group="g2")
+    envs = {**trainer.envs, **{k: v.get_secret_value() for k, v in trainer.secrets.items()}, **urls}
+    argv = train_sh_argv(envs, extra=("actor_rollout_ref.rollout.n=8",))
+    assert argv[:3] == ["python", "-m", "trainer.main_ppo"]
+    keys = dict(a.split("=", 1) for a in argv[3:])
+    assert keys["algorithm.adv_estimator"] == "grpo"
+    assert keys["data.source"] == "server" and keys["data.dataset"] == "gsm8k"
+    assert keys["actor_rollout_ref.model.path"] == trainer.envs["MODEL_NAME"]
+    assert keys["trainer.total_training_steps"] == "7"  # the --env override
+    assert keys["data.train_batch_size"] == str(trainer.envs["TRAIN_BATCH_SIZE"])
+    assert keys["trainer.logger"] == "['console','wandb']"  # the secret is set
+    assert (
+        keys["services.retrieval_url"]
+        == "http://retrieval-server-0.g2:8002,http://retrieval-server-1.g2:8002"
+    )
+    assert keys["services.data_url"] == "http://data-server-0.g2:8000"
+    assert argv[-1] == "actor_rollout_ref.rollout.n=8"  # extra keys come last, so they win
+
+
+def test_train_sh_math_variant_has_no_retrieval_and_console_only_without_secret():
+    trainer = tasks_by_name(load("verl-grpo-math.yaml"))[TRAINER]
+    envs = {**trainer.envs, **{k: v.get_secret_value() for k, v in trainer.secrets.items()}}
+    envs.update(exported_urls(trainer.run, group="g3"))
+    keys = dict(a.split("=", 1) for a in train_sh_argv(envs)[3:])
+    assert "services.retrieval_url" not in keys
+    assert keys["trainer.logger"] == "['console']"
+    assert "trainer.total_training_steps" in keys
+
+
+def test_train_sh_refuses_retrieval_without_a_url():
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "train.sh")],
+        env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "USE_RETRIEVAL": "1"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2 and "RETRIEVAL_SERVER_URL" in result.stderr
+
+
+def trainer_dry_run(argv: list[str]) -> None:
+    """`python -m trainer.main_ppo --dry-run ...`: the trainer's own check of every key and value."""
+    if not runnable("trainer.main_ppo"):
+        pytest.skip("trainer.main_ppo is not built yet")
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.main_ppo", "--dry-run", *argv],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", GROUP_YAMLS)
+def test_trainer_accepts_the_keys_train_sh_passes(name):
+    trainer = tasks_by_name(load(name, secrets={"WANDB_API_KEY": "k"}))[TRAINER]
+    envs = {**trainer.envs, **exported_urls(trainer.run, group="g4")}
+    argv = train_sh_argv(envs)
+    assert argv[:3] == ["python", "-m", "trainer.main_ppo"]
+    trainer_dry_run(argv[3:])
+
+
+def multinode_trainer_argv(task, home: Path) -> list[str]:
+    """The main_ppo arguments of multinode.yaml's `ray job submit`, expanded by bash with the task's envs."""
+    run = join_continuations(task.run)
+    args = run.split("python -m trainer.main_ppo", 1)[1].splitlines()[0]
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "SKYPILOT_NUM_NODES": str(task.num_nodes),
+        "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+        **{k: str(v) for k, v in task.envs.items()},
+    }
+    script = "logger=\"['console']\"\nprintf '%s\\n' " + args
+    return subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+
+
+def test_trainer_accepts_the_keys_multinode_submits(tmp_path):
+    # The head's data step, for real but offline: the same export, of the synthetic set, where the run expects it.
+    out = tmp_path / "data" / "gsm8k"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.data_server",
+            "export",
+            "synthetic-arith",
+            "--out",
+            str(out),
+            "--train-size",
+            "16",
+            "--test-size",
+            "4",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    argv = multinode_trainer_argv(load("multinode.yaml").tasks[0], home=tmp_path)
+    assert f"data.train_files={out}/train.parquet" in argv
+    assert "reward_model.mode=local" in argv  # no reward-server in this shape
+    trainer_dry_run(argv)
+
+
+# ---------------------------------------------------------------- multinode.yaml
+
+
+def test_multinode_shape_and_env_overrides():
+    overrides = {"MODEL_NAME": "my/model", "ACTOR_LR": "3e-6", "CRITIC_LR": "3e-5", "TOTAL_EPOCHS": "5"}
+    dag = load("multinode.yaml", env=overrides)
+    assert not dag.is_job_group() and len(dag.tasks) == 1
+    task = dag.tasks[0]
+    assert task.num_nodes >= 2
+    assert {k: task.envs[k] for k in overrides} == overrides
+    run = join_continuations(task.run)
+    for key, var in [
+        ("actor_rollout_ref.model.path", "MODEL_NAME"),
+        ("critic.model.path", "MODEL_NAME"),
+        ("actor_rollout_ref.actor.optim.lr", "ACTOR_LR"),
+        ("critic.optim.lr", "CRITIC_LR"),
+        ("trainer.total_epochs", "TOTAL_EPOCHS"),
+    ]:
+        assert f"{key}=${var}" in run, key
+    # head: export data, start or reuse the Ray head, submit; workers: join
+    export = next(c for c in module_calls(run, "multinode") if c.module == "services.data_server")
+    assert export.subcommand == "export" and "--out" in export.flags
+    assert "data.train_files=$HOME/data/gsm8k/train.parquet" in run
+    assert "ray job submit" in run and run.index("start_ray.sh") < run.index("ray job submit")
+    assert "reusing it" in (SCRIPTS / "start_ray.sh").read_text()
+
+
+# ---------------------------------------------------------------- the shell helpers
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.sh")))
+def test_scripts_are_valid_bash_and_executable(script):
+    path = SCRIPTS / script
+    assert subprocess.run(["bash", "-n", str(path)], check=False, capture_output=True).returncode == 0
+    assert os.access(path, os.X_OK)
+
+
+def run_wait(*args: str, timeout_s: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "wait_for_services.sh"), "--interval", "0.2", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return result, time.monotonic() - start
+
+
+def test_wait_for_services_against_a_real_data_server_and_a_dead_port():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with service_process(
+        "services.data_server",
+        "--datasets",
+        "synthetic-arith=synthetic-arith:easy",
+        "--synthetic-train-size",
+        "20",
+        "--synthetic-test-size",
+        "5",
+    ) as (url, _):
+        ok, _ = run_wait("--timeout", "30", f"data-server={url}")
+        assert ok.returncode == 0, ok.stderr
+        assert f"healthy: data-server {url}" in ok.stdout
+
+        # One healthy replica does not make the service healthy: the dead one is named.
+        failed, elapsed = run_wait("--timeout", "3", f"data-server={url},{dead}", f"reward-server={dead}")
+    assert failed.returncode == 1
+    assert elapsed < 3 + 8, elapsed  # gives up at its deadline (plus one probe), not later
+    errors = failed.stderr.strip().splitlines()
+    assert errors == [
+        f"error: service data-server never became healthy within 3s: {dead}/health (last: connection refused)",
+        f"error: service reward-server never became healthy within 3s: {dead}/health (last: connection refused)",
+    ]
+
+
+def test_wait_for_services_usage_errors():
+    result, _ = run_wait("data-server=")
+    assert result.returncode == 2 and "data-server has no URL" in result.stderr
+    result, _ = run_wait("not-a-spec")
+    assert result.returncode == 2 and "expected NAME=URL" in result.stderr
