@@ -234,3 +234,22 @@ class SyncServiceClient(_Policy):
 
     def get(self, path: str, **kwargs) -> dict | list:
         return self.request("GET", path, **kwargs)
+
+
+class ServiceClient:
+    """Base of each service's typed client: holds an AsyncServiceClient as `http`, closes it, waits on it."""
+
+    def __init__(self, urls: str | Sequence[str], **policy) -> None:
+        self.http = AsyncServiceClient(urls, **policy)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        await self.http.wait_healthy(timeout_s)

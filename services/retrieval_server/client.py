@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from services.common.client import AsyncServiceClient
+from services.common.client import ServiceClient
 from services.retrieval_server.schemas import Document, Hit
 
 
-class RetrievalClient:
-    def __init__(self, urls: str | Sequence[str], **policy) -> None:
-        self.http = AsyncServiceClient(urls, **policy)
-
-    async def __aenter__(self) -> RetrievalClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        await self.http.wait_healthy(timeout_s)
+class RetrievalClient(ServiceClient):
 
     async def retrieve(
         self, queries: list[str], topk: int = 3, return_scores: bool = True

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import orjson
 
-from services.common.client import AsyncServiceClient
+from services.common.client import ServiceClient
 from services.reward_server.schemas import (
     RewardItem,
     RewardOptions,
@@ -64,7 +64,7 @@ def limits_of(scorers: dict) -> tuple[int, int]:
     return max_items, max_bytes
 
 
-class RewardClient:
+class RewardClient(ServiceClient):
     """Scores through one or more reward-server replicas.
 
     `score` splits a list into requests within the server's limits (and `max_items_per_request`),
@@ -80,22 +80,10 @@ class RewardClient:
         timeout_s: float = 300.0,
         **policy,
     ) -> None:
-        self.http = AsyncServiceClient(urls, timeout_s=timeout_s, **policy)
+        super().__init__(urls, timeout_s=timeout_s, **policy)
         self.max_items_per_request = max_items_per_request
         self.max_in_flight = max_in_flight
         self._limits: tuple[int, int] | None = None
-
-    async def __aenter__(self) -> RewardClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        await self.http.wait_healthy(timeout_s)
 
     async def scorers(self) -> ScorersResponse:
         return ScorersResponse.model_validate(await self.http.get("/v1/scorers"))
