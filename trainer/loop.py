@@ -100,7 +100,7 @@ async def _fit(cfg: Config) -> dict[str, float]:
     seed_everything(cfg.trainer.seed)
     run = await build_run(cfg)
     metrics: dict[str, float] = {}
-    step = 0
+    step, cursor_before_step = 0, None
     try:
         step = resume(run)
         if cfg.trainer.val_only or (cfg.trainer.val_before_train and step == 0):
@@ -110,6 +110,7 @@ async def _fit(cfg: Config) -> dict[str, float]:
                 return metrics
         while step < run.total_steps:
             step += 1
+            cursor_before_step = run.source.state()
             metrics = await train_step(run, step)
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)
@@ -118,7 +119,12 @@ async def _fit(cfg: Config) -> dict[str, float]:
                 save(run, step)
         return metrics
     except ServiceError as exc:
-        path = save(run, step - 1) if step - 1 > run.last_saved_step else latest_checkpoint(checkpoint_root(cfg))
+        # Keep the finished steps. The failed step changed no weights, but it may have fetched its prompts:
+        # save the cursor from before it, so a resumed run trains on that batch instead of skipping it.
+        if step - 1 > run.last_saved_step:
+            path = save(run, step - 1, data_cursor=cursor_before_step)
+        else:
+            path = latest_checkpoint(checkpoint_root(cfg))
         raise TrainingAborted(f"a service stayed unreachable at step {step}: {exc}; "
                               f"last usable checkpoint: {path or 'none'}") from exc
     finally:
@@ -129,11 +135,11 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, timings = run.cfg, {}
     actor, rollout, algo = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
     temperature = rollout.temperature or 1.0
-    n_seqs = lambda prompts: prompts * rollout.n  # noqa: E731 - verl's batch sizes count prompts
+    n = rollout.n  # verl's mini-batch sizes count prompts; the workers count sequences (prompts x n)
     with timer("step", timings):
         collected = await collect_batch(run, timings)
         batch, scores = collected.batch, collected.scores
-        on_policy = is_on_policy(len(batch), n_seqs(actor.ppo_mini_batch_size), actor.ppo_epochs)
+        on_policy = is_on_policy(len(batch), actor.ppo_mini_batch_size * n, actor.ppo_epochs)
         if not on_policy:
             with timer("old_log_prob", timings):
                 old = run.policy.compute_logprobs(batch, rollout.log_prob_micro_batch_size_per_gpu,
@@ -153,7 +159,7 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
         if run.critic is not None:
             with timer("update_critic", timings):
                 metrics |= run.critic.update(
-                    batch, mini_batch_size=n_seqs(cfg.critic.ppo_mini_batch_size),
+                    batch, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
                     micro_batch_size=cfg.critic.ppo_micro_batch_size_per_gpu, ppo_epochs=cfg.critic.ppo_epochs,
                     loss=ValueLossSettings(cliprange_value=cfg.critic.cliprange_value,
                                            loss_agg_mode=cfg.critic.loss_agg_mode,
@@ -161,7 +167,7 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
         if step > cfg.trainer.critic_warmup:
             with timer("update_actor", timings):
                 metrics |= run.policy.update(
-                    batch, mini_batch_size=n_seqs(actor.ppo_mini_batch_size),
+                    batch, mini_batch_size=actor.ppo_mini_batch_size * n,
                     micro_batch_size=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,
                     loss=policy_loss_settings(cfg), temperature=temperature)
             run.engine.load_weights(run.policy.model)  # colocated: the same module, nothing to copy
@@ -314,8 +320,8 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     if samples:
         run.tracker.log_generations(samples, step)
     metrics = {}
-    for source in correct:
-        metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(correct[source]))
+    for source, right in correct.items():
+        metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(right))
         metrics[f"val-aux/{source}/reward/mean@{n}"] = float(np.mean(rewards[source]))
     return metrics
 
@@ -383,9 +389,10 @@ def resume(run: Run) -> int:
     return state.step
 
 
-def save(run: Run, step: int) -> Path:
+def save(run: Run, step: int, data_cursor: str | None = None) -> Path:
     models, optimizers, schedulers = checkpoint_parts(run)
-    state = TrainState(step=step, data_cursor=run.source.state(), tracker_run_id=run.tracker.run_id,
+    cursor = data_cursor if data_cursor is not None else run.source.state()
+    state = TrainState(step=step, data_cursor=cursor, tracker_run_id=run.tracker.run_id,
                        extra={"kl_coef": run.kl_ctrl.value})
     path = save_checkpoint(checkpoint_root(run.cfg), step, models=models, optimizers=optimizers,
                            schedulers=schedulers, state=state, keep_last=run.cfg.trainer.max_actor_ckpt_to_keep,

@@ -111,6 +111,14 @@ def served_uids(url: str, batches: int, batch_size: int = 8) -> list[str]:
     return uids
 
 
+def served_cursor(url: str, batches: int, batch_size: int = 8) -> str:
+    cursor = None
+    for _ in range(batches):
+        cursor = httpx.post(url + "/v1/batches", json={"dataset": "seven", "batch_size": batch_size,
+                                                       "cursor": cursor}).json()["next_cursor"]
+    return cursor
+
+
 def test_grpo_learns_through_real_services(tiny_model, data_server, tmp_path):
     port = free_port()
     reward = start_reward_server(port)
@@ -201,7 +209,9 @@ def test_reward_server_gone_for_good_ends_with_clear_error_and_checkpoint(tiny_m
     assert len(error) == 1 and "stayed unreachable" in error[0] and "Traceback" not in stderr
     path = Path(error[0].rsplit("last usable checkpoint: ", 1)[1])
     state = load_train_state(path)
-    assert state.step >= 3 and state.data_cursor  # the steps completed before the outage are kept
+    assert state.step >= 3  # the steps completed before the outage are kept
+    # ... with the cursor right after them: a resumed run trains next on the batch the failed step fetched
+    assert state.data_cursor == served_cursor(data_server, state.step)
 
 
 @pytest.fixture
