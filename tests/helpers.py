@@ -71,3 +71,9 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def small_data_server(train_size: int = 20, test_size: int = 5):
+    """A real data-server with a tiny synthetic-arith set: for tests that just need a live service."""
+    return service_process("services.data_server", "--datasets", "synthetic-arith=synthetic-arith:easy",
+                           "--synthetic-train-size", str(train_size), "--synthetic-test-size", str(test_size))

@@ -23,7 +23,7 @@ from tests.e2e.test_jobgroup_yaml import (
     train_sh_argv,
     trainer_dry_run,
 )
-from tests.helpers import ROOT, free_port, service_process
+from tests.helpers import ROOT, free_port, small_data_server
 
 DOCKER = ROOT / "docker"
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
@@ -134,15 +134,7 @@ def run_healthcheck(test: list[str], port: int) -> int:
 
 def test_healthcheck_command_tells_a_live_service_from_a_dead_port():
     test = SERVICES["data-server"]["healthcheck"]["test"]
-    with service_process(
-        "services.data_server",
-        "--datasets",
-        "synthetic-arith=synthetic-arith:easy",
-        "--synthetic-train-size",
-        "20",
-        "--synthetic-test-size",
-        "5",
-    ) as (url, _):
+    with small_data_server() as (url, _):
         assert run_healthcheck(test, int(url.rsplit(":", 1)[1])) == 0
     assert run_healthcheck(test, free_port()) != 0
 

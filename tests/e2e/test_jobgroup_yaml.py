@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT, free_port, service_process
+from tests.helpers import ROOT, free_port, small_data_server
 
 JOBGROUP = ROOT / "jobgroup"
 SCRIPTS = JOBGROUP / "scripts"
@@ -450,15 +450,7 @@ def run_wait(*args: str, timeout_s: float = 60) -> tuple[subprocess.CompletedPro
 
 def test_wait_for_services_against_a_real_data_server_and_a_dead_port():
     dead = f"http://127.0.0.1:{free_port()}"
-    with service_process(
-        "services.data_server",
-        "--datasets",
-        "synthetic-arith=synthetic-arith:easy",
-        "--synthetic-train-size",
-        "20",
-        "--synthetic-test-size",
-        "5",
-    ) as (url, _):
+    with small_data_server() as (url, _):
         ok, _ = run_wait("--timeout", "30", f"data-server={url}")
         assert ok.returncode == 0, ok.stderr
         assert f"healthy: data-server {url}" in ok.stdout

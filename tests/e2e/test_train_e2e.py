@@ -123,9 +123,7 @@ def test_grpo_learns_through_real_services(tiny_model, data_server, tmp_path):
     port = free_port()
     reward = start_reward_server(port)
     try:
-        train(common_args(tiny_model, tmp_path, 30) + [
-            "data.source=server", "data.dataset=seven", f"services.data_url={data_server}",
-            f"services.reward_url=http://127.0.0.1:{port}", "reward_model.mode=server", "trainer.save_freq=-1"])
+        train(common_args(tiny_model, tmp_path, 30) + server_args(data_server, port) + ["trainer.save_freq=-1"])
     finally:
         stop_process(reward)
     scores = [m["critic/score/mean"] for m in metrics_of(tmp_path) if "critic/score/mean" in m]
@@ -156,6 +154,16 @@ def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
     assert len({m.get("step") for m in metrics_of(split)}) == 4
 
 
+def server_args(data_url: str, reward_port: int) -> list[str]:
+    return ["data.source=server", "data.dataset=seven", f"services.data_url={data_url}",
+            f"services.reward_url=http://127.0.0.1:{reward_port}", "reward_model.mode=server"]
+
+
+def start_trainer(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     path = workdir / "run" / "metrics.jsonl"
@@ -170,11 +178,8 @@ def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: flo
 def test_reward_server_restart_mid_run_loses_nothing(tiny_model, data_server, tmp_path):
     port = free_port()
     reward = start_reward_server(port)
-    args = common_args(tiny_model, tmp_path, 6) + [
-        "data.source=server", "data.dataset=seven", f"services.data_url={data_server}",
-        f"services.reward_url=http://127.0.0.1:{port}", "services.retries=12", "trainer.save_freq=-1"]
-    trainer = subprocess.Popen([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    trainer = start_trainer(common_args(tiny_model, tmp_path, 6) + server_args(data_server, port) + [
+        "services.retries=12", "trainer.save_freq=-1"])
     try:
         wait_for_step(tmp_path, 2, trainer)
         reward.send_signal(signal.SIGKILL)
@@ -192,11 +197,8 @@ def test_reward_server_restart_mid_run_loses_nothing(tiny_model, data_server, tm
 def test_reward_server_gone_for_good_ends_with_clear_error_and_checkpoint(tiny_model, data_server, tmp_path):
     port = free_port()
     reward = start_reward_server(port)
-    args = common_args(tiny_model, tmp_path, 50) + [
-        "data.source=server", "data.dataset=seven", f"services.data_url={data_server}",
-        f"services.reward_url=http://127.0.0.1:{port}", "services.retries=2", "trainer.save_freq=2"]
-    trainer = subprocess.Popen([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    trainer = start_trainer(common_args(tiny_model, tmp_path, 50) + server_args(data_server, port) + [
+        "services.retries=2", "trainer.save_freq=2"])
     try:
         wait_for_step(tmp_path, 3, trainer)
         stop_process(reward)
