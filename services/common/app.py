@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -109,10 +111,22 @@ def require_ready(request: Request) -> Any:
     return request.app.state
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after draining, so the process would end "killed by signal 15";
+    here a drained shutdown is a clean exit (code 0), which is what supervisors and launchers expect."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def serve(app: FastAPI, settings: ServiceSettings) -> None:
     """Run under uvicorn; SIGTERM drains in-flight requests (graceful_shutdown_s) before exiting."""
-    import uvicorn
-
     configure_logging(settings.log_level, settings.log_format)
     config = uvicorn.Config(
         app,
@@ -123,7 +137,7 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     app.state.server = server
     server.run()
     if app.state.load_error is not None:

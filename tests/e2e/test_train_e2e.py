@@ -247,3 +247,20 @@ def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path)
         assert "critic/vf_loss" in done.stdout  # PPO with a critic
     else:
         assert "actor/kl_loss" in done.stdout  # GRPO with the low_var_kl loss
+
+
+def test_dapo_dynamic_sampling_trains_only_groups_whose_rewards_vary(tiny_model, seven_data, tmp_path):
+    train(common_args(tiny_model, tmp_path, 2) + [
+        f"data.train_files={seven_data / 'parquet/train.parquet'}", "reward_model.mode=local",
+        "trainer.save_freq=-1", "data.train_batch_size=2", "data.gen_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=50"])
+    steps = [m for m in metrics_of(tmp_path) if "train/num_gen_batches" in m]
+    assert len(steps) == 2 and all(m["train/num_gen_batches"] >= 1 for m in steps)
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        groups: dict[str, list[float]] = {}
+        for row in rows:
+            groups.setdefault(row["uid"], []).append(row["score"])
+        assert len(groups) == 2 and all(len(scores) == 8 for scores in groups.values())  # full batch, n each
+        assert all(len(set(scores)) > 1 for scores in groups.values())  # no zero-variance group trained on

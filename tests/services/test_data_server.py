@@ -235,3 +235,17 @@ def test_real_gsm8k_from_shared_data():
         assert client.get("/v1/datasets").json()["datasets"][0]["splits"] == {"test": 1319, "train": 7473}
         items = client.post("/v1/batches", json={"dataset": "gsm8k", "batch_size": 256}).json()["items"]
         assert all(item["reward_model"]["ground_truth"].lstrip("-").replace(".", "").isdigit() for item in items)
+
+
+def test_sigterm_drains_and_exits_cleanly():
+    import time
+
+    from tests.helpers import small_data_server, stop_process
+
+    with small_data_server() as (url, proc):
+        assert httpx.post(url + "/v1/batches", json={"batch_size": 2}).status_code == 200
+        started = time.monotonic()
+        assert stop_process(proc) == 0  # SIGTERM: uvicorn drains, runs the lifespan shutdown, exits 0
+        assert time.monotonic() - started < 10
+        output = proc.stdout.read()
+    assert "Finished server process" in output or "shutdown" in output.lower()

@@ -125,6 +125,9 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, m
         tracker.log({"critic/score/mean": 0.5}, step=2)
         tracker.log_generations([{"input": "1+1?", "output": "2", "score": 1.0}], step=2)
         run_id = tracker.run_id
+    # W&B names an offline run's folder by the second it started: a resumed session in the same second
+    # would write into the first one's folder and clobber its log, which no real resume (a restart) does.
+    time.sleep(1.1)
     with make_tracker(tmp_path, ["wandb"], run_id=run_id, start_step=2) as resumed:
         resumed.log({"critic/score/mean": 0.75}, step=3)
     runs = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}"))
