@@ -18,10 +18,12 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.helpers import SHARED_DATA, service_process  # noqa: E402
+from tests.helpers import SHARED_DATA, service_process
 
 
-async def client_loop(url: str, dataset: str, batch_size: int, deadline: float, latencies: list[float]) -> None:
+async def client_loop(
+    url: str, dataset: str, batch_size: int, deadline: float, latencies: list[float]
+) -> None:
     cursor = None
     async with httpx.AsyncClient(timeout=30) as http:
         while time.perf_counter() < deadline:
@@ -40,7 +42,9 @@ async def measure(url: str, dataset: str, batch_size: int, clients: int, seconds
     latencies: list[float] = []
     start = time.perf_counter()
     deadline = start + seconds
-    await asyncio.gather(*(client_loop(url, dataset, batch_size, deadline, latencies) for _ in range(clients)))
+    await asyncio.gather(
+        *(client_loop(url, dataset, batch_size, deadline, latencies) for _ in range(clients))
+    )
     elapsed = time.perf_counter() - start
     ordered = sorted(latencies)
     return {
@@ -53,7 +57,9 @@ async def measure(url: str, dataset: str, batch_size: int, clients: int, seconds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gsm8k", type=Path, default=SHARED_DATA / "gsm8k")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -67,8 +73,10 @@ def main() -> None:
         print(f"{'clients':>8} {'batches':>8} {'batches/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
         for clients in (1, 16):
             row = asyncio.run(measure(url, dataset, args.batch_size, clients, args.seconds))
-            print(f"{row['clients']:>8} {row['batches']:>8} {row['batches_per_s']:>10.1f} "
-                  f"{row['p50_ms']:>8.1f} {row['p99_ms']:>8.1f}")
+            print(
+                f"{row['clients']:>8} {row['batches']:>8} {row['batches_per_s']:>10.1f} "
+                f"{row['p50_ms']:>8.1f} {row['p99_ms']:>8.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from services.data_server.synthetic import make_problem  # noqa: E402
-from services.reward_server.client import RewardClient  # noqa: E402
-from services.reward_server.core import LocalScorer  # noqa: E402
-from services.reward_server.schemas import RewardItem  # noqa: E402
-from services.reward_server.scorers.gsm8k import score_gsm8k  # noqa: E402
-from tests.helpers import SHARED_DATA, service_process  # noqa: E402
+from services.data_server.synthetic import make_problem
+from services.reward_server.client import RewardClient
+from services.reward_server.core import LocalScorer
+from services.reward_server.schemas import RewardItem
+from services.reward_server.scorers.gsm8k import score_gsm8k
+from tests.helpers import SHARED_DATA, service_process
 
 BATCH = 1024
 

@@ -34,13 +34,17 @@ def prepare(out: Path, gsm8k: Path, small: bool) -> tuple[Path, Path]:
     data = out / "data"
     for split in ("train", "test"):
         rows = read_records(gsm8k / f"{split}.jsonl")
-        write_verl_parquet([gsm8k_row(r["question"], r["answer"], split, i) for i, r in enumerate(rows)],
-                           data / f"{split}.parquet")
+        write_verl_parquet(
+            [gsm8k_row(r["question"], r["answer"], split, i) for i, r in enumerate(rows)],
+            data / f"{split}.parquet",
+        )
     return model, data
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gsm8k", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_trainer")
     parser.add_argument("--steps", type=int, default=4)
@@ -52,28 +56,44 @@ def main() -> None:
     model, data = prepare(args.out, args.gsm8k, args.small)
     run_dir = args.out / "run"
     command = [
-        sys.executable, "-m", "trainer.main_ppo", "algorithm.adv_estimator=grpo",
-        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-        f"data.train_batch_size={args.batch}", "data.max_prompt_length=512",
-        f"data.max_response_length={args.response_length}", f"actor_rollout_ref.model.path={model}",
+        sys.executable,
+        "-m",
+        "trainer.main_ppo",
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}",
+        f"data.train_batch_size={args.batch}",
+        "data.max_prompt_length=512",
+        f"data.max_response_length={args.response_length}",
+        f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch // 2}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-        f"actor_rollout_ref.rollout.n={args.n}", "reward_model.mode=local",
-        f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", "trainer.logger=[console]", f"trainer.log_dir={run_dir}",
-        f"trainer.default_local_dir={args.out / 'ckpt'}", "trainer.resume_mode=disable", *extra,
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        "reward_model.mode=local",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console]",
+        f"trainer.log_dir={run_dir}",
+        f"trainer.default_local_dir={args.out / 'ckpt'}",
+        "trainer.resume_mode=disable",
+        *extra,
     ]
     subprocess.run(command, cwd=ROOT, check=True)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "timing_s/step" in m]
     measured = steps[1:] or steps
     keys = sorted({k for m in measured for k in m if k.startswith(("timing_s/", "perf/"))})
-    print(f"\nmean over steps {measured[0]['step']}..{measured[-1]['step']} "
-          f"(batch {args.batch} prompts x n={args.n}, response <= {args.response_length} tokens)")
+    print(
+        f"\nmean over steps {measured[0]['step']}..{measured[-1]['step']} "
+        f"(batch {args.batch} prompts x n={args.n}, response <= {args.response_length} tokens)"
+    )
     for key in keys:
         values = [m[key] for m in measured if key in m]
         print(f"  {key:<36} {statistics.mean(values):10.3f}")

@@ -39,33 +39,60 @@ def summary(run_dir: Path) -> list[str]:
     lines = []
     if val:
         key = next(k for k in val[0] if k.startswith("val-core/"))
-        lines.append(f"validation {key}: step {val[0]['step']} {val[0][key]:.3f} -> step {val[-1]['step']} "
-                     f"{val[-1][key]:.3f}")
+        lines.append(
+            f"validation {key}: step {val[0]['step']} {val[0][key]:.3f} -> step {val[-1]['step']} "
+            f"{val[-1][key]:.3f}"
+        )
     if train:
-        lines.append(f"train reward (critic/score/mean): step 1 {train[0]['critic/score/mean']:.3f} -> "
-                     f"step {train[-1]['step']} {train[-1]['critic/score/mean']:.3f}")
+        lines.append(
+            f"train reward (critic/score/mean): step 1 {train[0]['critic/score/mean']:.3f} -> "
+            f"step {train[-1]['step']} {train[-1]['critic/score/mean']:.3f}"
+        )
         mean_step = sum(r["timing_s/step"] for r in train) / len(train)
         lines.append(f"{len(train)} steps, {mean_step:.1f} s per step on average")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobgroup.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo", help="Run folder (default runs/demo).")
+    parser = argparse.ArgumentParser(
+        prog="python -m jobgroup.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "runs" / "demo", help="Run folder (default runs/demo)."
+    )
     parser.add_argument("--steps", type=int, default=None, help="Training steps (default: the config's).")
     opts, overrides = parser.parse_known_args(argv)
     out = opts.out.resolve()
     started = time.monotonic()
     run_dir, plot = out / "run", out / "curves.png"
-    steps = [f"trainer.total_training_steps={opts.steps}", f"trainer.test_freq={opts.steps}"] if opts.steps else []
+    steps = (
+        [f"trainer.total_training_steps={opts.steps}", f"trainer.test_freq={opts.steps}"]
+        if opts.steps
+        else []
+    )
     command = [
-        sys.executable, "-m", "jobgroup.local", "run", "--run-dir", str(out / "local"),
-        "--services", "data,reward", "--data-port", "0", "--reward-port", "0",
-        "--data-server-args", "--datasets synthetic-arith=synthetic-arith:easy --synthetic-test-size 32",
+        sys.executable,
+        "-m",
+        "jobgroup.local",
+        "run",
+        "--run-dir",
+        str(out / "local"),
+        "--services",
+        "data,reward",
+        "--data-port",
+        "0",
+        "--reward-port",
+        "0",
+        "--data-server-args",
+        "--datasets synthetic-arith=synthetic-arith:easy --synthetic-test-size 32",
         f"config={ROOT / 'trainer' / 'configs' / 'demo_cpu.yaml'}",
-        f"actor_rollout_ref.model.path={smollm2_path()}", f"trainer.log_dir={run_dir}",
-        f"trainer.default_local_dir={out / 'checkpoints'}", *steps, *overrides,
+        f"actor_rollout_ref.model.path={smollm2_path()}",
+        f"trainer.log_dir={run_dir}",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        *steps,
+        *overrides,
     ]
     if run_dir.exists():  # a fresh run each time: the report reads this run's metrics only
         for stale in run_dir.glob("*.jsonl"):
@@ -74,9 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         print(f"demo: the job group failed (exit {code}); logs in {out / 'local' / 'logs'}", file=sys.stderr)
         return code
-    subprocess.run([sys.executable, "-m", "trainer.report", str(run_dir), "--out", str(plot)], cwd=ROOT, check=True)
-    print("\n".join(["", "demo summary", *summary(run_dir), f"curves: {plot}",
-                     f"checkpoint: {out / 'checkpoints'}", f"wall time: {time.monotonic() - started:.0f} s"]))
+    subprocess.run(
+        [sys.executable, "-m", "trainer.report", str(run_dir), "--out", str(plot)], cwd=ROOT, check=True
+    )
+    print(
+        "\n".join(
+            [
+                "",
+                "demo summary",
+                *summary(run_dir),
+                f"curves: {plot}",
+                f"checkpoint: {out / 'checkpoints'}",
+                f"wall time: {time.monotonic() - started:.0f} s",
+            ]
+        )
+    )
     return 0
 
 

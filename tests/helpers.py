@@ -49,7 +49,9 @@ def service_process(
     port = port or free_port()
     cmd = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -75,5 +77,12 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
 
 def small_data_server(train_size: int = 20, test_size: int = 5):
     """A real data-server with a tiny synthetic-arith set: for tests that just need a live service."""
-    return service_process("services.data_server", "--datasets", "synthetic-arith=synthetic-arith:easy",
-                           "--synthetic-train-size", str(train_size), "--synthetic-test-size", str(test_size))
+    return service_process(
+        "services.data_server",
+        "--datasets",
+        "synthetic-arith=synthetic-arith:easy",
+        "--synthetic-train-size",
+        str(train_size),
+        "--synthetic-test-size",
+        str(test_size),
+    )

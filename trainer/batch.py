@@ -58,12 +58,17 @@ class TrainBatch:
 
     @property
     def responses(self) -> Tensor:
-        return self.input_ids[:, self.prompt_width:]
+        return self.input_ids[:, self.prompt_width :]
 
     @classmethod
     def from_rollouts(
-        cls, rollouts: Sequence[Rollout], pad_id: int, *, data_sources: Sequence[str] | None = None,
-        group_ids: Sequence[int] | None = None, response_width: int | None = None,
+        cls,
+        rollouts: Sequence[Rollout],
+        pad_id: int,
+        *,
+        data_sources: Sequence[str] | None = None,
+        group_ids: Sequence[int] | None = None,
+        response_width: int | None = None,
     ) -> TrainBatch:
         """Pad rollouts into a batch.
 
@@ -82,7 +87,9 @@ class TrainBatch:
         longest = max(max(len(r.response_ids) for r in rollouts), 1)
         width = response_width or longest
         if width < longest:
-            raise ValueError(f"response_width {width} is shorter than the longest response ({longest} tokens)")
+            raise ValueError(
+                f"response_width {width} is shorter than the longest response ({longest} tokens)"
+            )
         batch_size = len(rollouts)
         input_ids = torch.full((batch_size, prompt_width + width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -92,20 +99,24 @@ class TrainBatch:
             start, end = prompt_width - len(r.prompt_ids), prompt_width + len(r.response_ids)
             input_ids[row, start:end] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
             attention_mask[row, start:end] = 1
-            response_mask[row, :len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.float32)
-            rollout_logprobs[row, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+            response_mask[row, : len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.float32)
+            rollout_logprobs[row, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
         sources = None
         if data_sources is not None:
             sources = tuple(data_sources[r.prompt_index] for r in rollouts)
         return cls(
-            input_ids=input_ids, attention_mask=attention_mask,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
             position_ids=(attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
             response_mask=response_mask,
             prompt_lengths=torch.tensor([len(r.prompt_ids) for r in rollouts], dtype=torch.long),
             response_lengths=torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long),
-            group_ids=torch.tensor(list(group_ids) if group_ids is not None else [r.prompt_index for r in rollouts],
-                                   dtype=torch.long),
-            rollout_logprobs=rollout_logprobs, data_sources=sources,
+            group_ids=torch.tensor(
+                list(group_ids) if group_ids is not None else [r.prompt_index for r in rollouts],
+                dtype=torch.long,
+            ),
+            rollout_logprobs=rollout_logprobs,
+            data_sources=sources,
         )
 
     def with_fields(self, **fields) -> TrainBatch:
@@ -128,7 +139,9 @@ class TrainBatch:
         """Consecutive chunks of `size` rows (the last one shorter if B is not a multiple)."""
         if size < 1:
             raise ValueError(f"split size must be >= 1, got {size}")
-        return [self.select(range(start, min(start + size, len(self)))) for start in range(0, len(self), size)]
+        return [
+            self.select(range(start, min(start + size, len(self)))) for start in range(0, len(self), size)
+        ]
 
     def trimmed(self) -> TrainBatch:
         """Drop the columns that are padding in every row (prompt's left, response's right).
@@ -142,8 +155,10 @@ class TrainBatch:
         if prompt_pad == 0 and response_pad == 0:
             return self
         end = self.input_ids.shape[1] - response_pad
-        trimmed = {name: getattr(self, name)[:, prompt_pad:end]
-                   for name in ("input_ids", "attention_mask", "position_ids")}
+        trimmed = {
+            name: getattr(self, name)[:, prompt_pad:end]
+            for name in ("input_ids", "attention_mask", "position_ids")
+        }
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, Tensor) and value.dim() == 2 and field.name not in trimmed:
@@ -151,6 +166,9 @@ class TrainBatch:
         return dataclasses.replace(self, **trimmed)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), Tensor)}
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
         return dataclasses.replace(self, **moved)

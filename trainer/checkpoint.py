@@ -53,7 +53,8 @@ HF_METADATA_DIR = "huggingface"
 FORMAT_VERSION = 1
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-# safetensors metadata key holding {dropped_name: stored_name} for tensors that share storage (tied embeddings)
+# safetensors metadata key holding {dropped_name: stored_name} for tensors that share storage (tied
+# embeddings)
 _ALIASES_KEY = "aliases"
 
 ResumeMode = Literal["auto", "disable", "resume_path"]
@@ -231,8 +232,11 @@ def prune_checkpoints(root: Path, keep_last: int | None, *, protect: Path | None
     if not keep_last or keep_last <= 0:
         return []
     complete = [path for _, path in list_checkpoints(root)]
-    doomed = [path for path in complete[: max(len(complete) - keep_last, 0)]
-              if protect is None or path.resolve() != Path(protect).resolve()]
+    doomed = [
+        path
+        for path in complete[: max(len(complete) - keep_last, 0)]
+        if protect is None or path.resolve() != Path(protect).resolve()
+    ]
     for path in doomed:
         # rename first: a half-deleted directory must never look like a checkpoint
         trash = root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
@@ -329,8 +333,10 @@ def find_resume_checkpoint(root: Path, resume_mode: ResumeMode, resume_from_path
         found = latest_checkpoint(path)
         if found is not None:
             return found
-    raise CheckpointError(f"resume_from_path {str(path)!r} is not a complete checkpoint "
-                          f"(no {STATE_FILE}; was the save interrupted?)")
+    raise CheckpointError(
+        f"resume_from_path {str(path)!r} is not a complete checkpoint "
+        f"(no {STATE_FILE}; was the save interrupted?)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -339,8 +345,12 @@ def find_resume_checkpoint(root: Path, resume_mode: ResumeMode, resume_from_path
 def load_train_state(path: Path) -> TrainState:
     """The trainer state alone (no tensors): e.g. to reopen the tracker run before building models."""
     record = _read_state_record(Path(path))
-    return TrainState(step=int(record["step"]), data_cursor=record.get("data_cursor"),
-                      tracker_run_id=record.get("tracker_run_id"), extra=record.get("extra") or {})
+    return TrainState(
+        step=int(record["step"]),
+        data_cursor=record.get("data_cursor"),
+        tracker_run_id=record.get("tracker_run_id"),
+        extra=record.get("extra") or {},
+    )
 
 
 def load_checkpoint(
@@ -357,8 +367,10 @@ def load_checkpoint(
     for role, model in models.items():
         role_dir = path / role
         if not (role_dir / WEIGHTS_FILE).is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} has no weights for role {role!r} "
-                                  f"(roles saved: {sorted(_read_state_record(path).get('roles', []))})")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no weights for role {role!r} "
+                f"(roles saved: {sorted(_read_state_record(path).get('roles', []))})"
+            )
         model.load_state_dict(load_full_state_dict(role_dir / WEIGHTS_FILE), strict=True)
         _load_optional(role_dir / OPTIMIZER_FILE, optimizers.get(role), f"{role} optimizer")
         _load_optional(role_dir / SCHEDULER_FILE, schedulers.get(role), f"{role} scheduler")
@@ -404,8 +416,13 @@ def capture_rng_state() -> dict:
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state = {
         "python": {"version": version, "state": list(mt_state), "gauss_next": gauss_next},
-        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "numpy": {
+            "kind": np_kind,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
         "torch_cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -417,8 +434,15 @@ def restore_rng_state(state: dict) -> None:
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
     numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch_cpu"])
     cuda_states = state.get("torch_cuda")
     # a checkpoint may be resumed on a different number of GPUs: restore the devices both have

@@ -1,6 +1,7 @@
 """The trainer's one typed configuration: verl's `main_ppo` key tree (what we support), every default here.
 
-    config = load_config(["algorithm.adv_estimator=grpo", "trainer.logger=['console','jsonl']", "--config", "run.yaml"])
+    config = load_config(["algorithm.adv_estimator=grpo", "trainer.logger=['console','jsonl']",
+                          "--config", "run.yaml"])
 
 `load_config` reads YAML files (applied first) and Hydra-style `key=value` overrides, names the closest
 valid keys for an unknown one, and checks what verl checks before any work starts: batch-size
@@ -111,7 +112,8 @@ class DataConfig(Section):
     )
     shuffle: bool = Field(
         True,
-        description="data.source=files: shuffle training prompts, a new seeded order every epoch (the data-server "
+        description="data.source=files: shuffle training prompts, a new seeded order every epoch "
+        "(the data-server "
         "always shuffles, with its own --seed).",
     )
     seed: int | None = Field(
@@ -255,7 +257,8 @@ class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(
         256,
         ge=1,
-        description="Prompts per optimizer step; each step updates on this many prompts * rollout.n sequences.",
+        description="Prompts per optimizer step; each step updates on this many prompts * rollout.n "
+        "sequences.",
     )
     ppo_micro_batch_size_per_gpu: int | None = Field(
         None,
@@ -266,7 +269,8 @@ class ActorConfig(Section):
     ppo_micro_batch_size: int | None = Field(
         None,
         ge=1,
-        description="Deprecated global micro-batch: divided by the GPU count into ppo_micro_batch_size_per_gpu.",
+        description="Deprecated global micro-batch: divided by the GPU count into "
+        "ppo_micro_batch_size_per_gpu.",
     )
     use_dynamic_bsz: bool = ignored(False, "Token-budget micro-batches.", "micro-batches are formed by count")
     ppo_max_token_len_per_gpu: int = ignored(16384, "Token budget of a dynamic micro-batch.")
@@ -616,7 +620,8 @@ class TrainerConfig(Section):
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: cuda when available, else cpu.")
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
-        description="Forward/backward precision (weights and optimizer stay fp32). auto: bf16 autocast on CUDA, "
+        description="Forward/backward precision (weights and optimizer stay fp32). "
+        "auto: bf16 autocast on CUDA, "
         "fp32 on CPU; bf16 on a CPU with AMX / AVX512-BF16 is ~3x faster.",
     )
     seed: int = Field(
@@ -952,7 +957,8 @@ def _mini_batch_problems(
         )
     if (mini * n) % world:
         problems.append(
-            f"{prefix}.ppo_mini_batch_size * actor_rollout_ref.rollout.n = {mini * n} sequences must split evenly "
+            f"{prefix}.ppo_mini_batch_size * actor_rollout_ref.rollout.n = {mini * n} sequences must "
+            "split evenly "
             f"over {where}"
         )
     elif micro_global is not None and micro_global % world:
@@ -961,7 +967,8 @@ def _mini_batch_problems(
         )
     elif micro_per_gpu is not None and (mini * n // world) % micro_per_gpu:
         problems.append(
-            f"{prefix}.ppo_mini_batch_size * actor_rollout_ref.rollout.n / GPUs = {mini * n // world} sequences per "
+            f"{prefix}.ppo_mini_batch_size * actor_rollout_ref.rollout.n / GPUs = {mini * n // world} "
+            "sequences per "
             f"GPU must be divisible by {prefix}.ppo_micro_batch_size_per_gpu ({micro_per_gpu})"
         )
     return problems
@@ -990,7 +997,8 @@ def _batch_size_problems(config: Config) -> list[str]:
     problems = []
     if (data.train_batch_size * n) % world:
         problems.append(
-            f"data.train_batch_size * actor_rollout_ref.rollout.n = {data.train_batch_size * n} responses per step "
+            f"data.train_batch_size * actor_rollout_ref.rollout.n = {data.train_batch_size * n} "
+            "responses per step "
             f"must split evenly over {world} GPU(s) (trainer.nnodes * trainer.n_gpus_per_node)"
         )
     problems += _mini_batch_problems(
@@ -1010,12 +1018,14 @@ def _batch_size_problems(config: Config) -> list[str]:
         )
     if world % rollout.tensor_model_parallel_size:
         problems.append(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size ({rollout.tensor_model_parallel_size}) must divide "
+            "actor_rollout_ref.rollout.tensor_model_parallel_size "
+            f"({rollout.tensor_model_parallel_size}) must divide "
             f"the {world} GPU(s) (trainer.nnodes * trainer.n_gpus_per_node)"
         )
     if config.algorithm.filter_groups.enable and data.gen_batch_size < data.train_batch_size:
         problems.append(
-            f"data.gen_batch_size ({data.gen_batch_size}) must be at least data.train_batch_size ({data.train_batch_size})"
+            f"data.gen_batch_size ({data.gen_batch_size}) must be at least data.train_batch_size "
+            f"({data.train_batch_size})"
         )
     return problems
 
@@ -1094,7 +1104,8 @@ def _algorithm_problems(config: Config) -> list[str]:
         problems.append("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
     if algo.filter_groups.enable and arr.rollout.n < 2:
         problems.append(
-            "algorithm.filter_groups.enable needs actor_rollout_ref.rollout.n >= 2 (a group of one never varies)"
+            "algorithm.filter_groups.enable needs actor_rollout_ref.rollout.n >= 2 (a group of one "
+            "never varies)"
         )
     if arr.rollout.n > 1 and not arr.rollout.do_sample:
         problems.append("actor_rollout_ref.rollout.n > 1 with do_sample=false gives n identical responses")
@@ -1313,7 +1324,9 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z_][A-Za-z0-9_\-]*)*")
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """(YAML files, [(key, raw value)]) from `--config F`, `--config=F`, `config=F` and `[+]key=value` items."""
+    """(YAML files, [(key, raw value)]) from `--config F`, `--config=F`, `config=F` and `[+]key=value`
+    items.
+    """
     files, overrides, problems = [], [], []
     items = iter(argv)
     for item in items:

@@ -1,4 +1,5 @@
-"""The trainer's prompts: from the data-server or from local verl parquet/jsonl files, chat-templated and tokenised.
+"""The trainer's prompts: from the data-server or from local verl parquet/jsonl files, chat-templated and
+tokenised.
 
 Two sources, one interface (`PromptSource`):
 - `ServerPromptSource` walks the data-server's seeded epoch orders; its cursor is the server's own
@@ -55,7 +56,9 @@ class PromptBatch:
 
 
 def truncate_ids(ids: list[int], max_length: int, side: Truncation) -> list[int]:
-    """verl's truncation: left keeps the end, right the start, middle both ends (the start gets the floor half)."""
+    """verl's truncation: left keeps the end, right the start, middle both ends (the start gets the floor
+    half).
+    """
     if len(ids) <= max_length:
         return ids
     if side == "left":
@@ -175,7 +178,9 @@ class PromptSource(Protocol):
 
 
 def total_steps(train_size: int, batch_size: int, total_epochs: int, total_training_steps: int | None) -> int:
-    """Training steps of a run: the explicit count if given, else the whole batches in `total_epochs` epochs."""
+    """Training steps of a run: the explicit count if given, else the whole batches in `total_epochs`
+    epochs.
+    """
     if total_training_steps is not None:
         return total_training_steps
     return max(1, train_size * total_epochs // batch_size)
@@ -254,15 +259,19 @@ class ServerPromptSource:
             skipped += sum(r is None for r in encoded)
             if skipped >= response.dataset_size:
                 raise PromptTooLongError(
-                    f"data.filter_overlong_prompts dropped {skipped} prompts of {self.dataset}/{self.train_split} "
-                    f"({response.dataset_size} items) while filling one batch of {batch_size}: too few prompts fit "
+                    f"data.filter_overlong_prompts dropped {skipped} prompts of "
+                    f"{self.dataset}/{self.train_split} "
+                    f"({response.dataset_size} items) while filling one batch of {batch_size}: too "
+                    "few prompts fit "
                     f"data.max_prompt_length={self.encoder.max_prompt_length}"
                 )
         self._cursor = cursor
         return PromptBatch(records, cursor, first_epoch or 0, skipped)
 
     async def validation_batches(self, batch_size: int | None = None) -> AsyncIterator[PromptBatch]:
-        """The whole validation split once, in the server's fixed order (overlong prompts dropped if filtering)."""
+        """The whole validation split once, in the server's fixed order (overlong prompts dropped if
+        filtering).
+        """
         if not self.val_split or not self.val_size:
             return
         cursor, remaining = None, self.val_size
@@ -340,8 +349,10 @@ class FilePromptSource:
         overlong = [row["uid"] for row, length in zip(rows, lengths) if length > limit]
         if overlong and not self.encoder.filter_overlong and self.encoder.truncation == "error":
             raise PromptTooLongError(
-                f"{key}: {len(overlong)} of {len(rows)} prompts are longer than data.max_prompt_length={limit} "
-                f"(first: {overlong[0]}, {max(lengths)} tokens at most); set data.filter_overlong_prompts=True "
+                f"{key}: {len(overlong)} of {len(rows)} prompts are longer than "
+                f"data.max_prompt_length={limit} "
+                f"(first: {overlong[0]}, {max(lengths)} tokens at most); set "
+                "data.filter_overlong_prompts=True "
                 "or data.truncation=left|right|middle"
             )
         if self.encoder.filter_overlong:

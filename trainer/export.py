@@ -41,13 +41,15 @@ def resolve_checkpoint(path: Path) -> Path:
         return path
     found = latest_checkpoint(path) if path.is_dir() else None
     if found is None:
-        raise CheckpointError(f"{str(path)!r} is neither a complete global_step_N checkpoint nor a directory "
-                              "holding one")
+        raise CheckpointError(
+            f"{str(path)!r} is neither a complete global_step_N checkpoint nor a directory holding one"
+        )
     return found
 
 
-def export_hf(checkpoint: Path, out_dir: Path, *, role: str = "actor", dtype: str = "auto",
-              max_shard_size: str = "5GB") -> Path:
+def export_hf(
+    checkpoint: Path, out_dir: Path, *, role: str = "actor", dtype: str = "auto", max_shard_size: str = "5GB"
+) -> Path:
     """Write the role's weights of `checkpoint` as a Hugging Face model folder; returns out_dir.
 
     dtype "auto" keeps the dtype the config records (torch_dtype / dtype), else the stored one.
@@ -59,8 +61,10 @@ def export_hf(checkpoint: Path, out_dir: Path, *, role: str = "actor", dtype: st
     if not (role_dir / WEIGHTS_FILE).is_file():
         raise CheckpointError(f"no {role!r} weights in {str(role_dir.parent)!r}")
     if not (hf_dir / "config.json").is_file():
-        raise CheckpointError(f"{str(hf_dir)!r} has no config.json: save the checkpoint with the model's HF "
-                              "config and tokenizer (save_checkpoint(..., tokenizer=...) / save_hf_metadata)")
+        raise CheckpointError(
+            f"{str(hf_dir)!r} has no config.json: save the checkpoint with the model's HF "
+            "config and tokenizer (save_checkpoint(..., tokenizer=...) / save_hf_metadata)"
+        )
     config = AutoConfig.from_pretrained(hf_dir)
     state_dict = load_full_state_dict(role_dir / WEIGHTS_FILE)
     with torch.device("meta"):
@@ -77,7 +81,7 @@ def export_hf(checkpoint: Path, out_dir: Path, *, role: str = "actor", dtype: st
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     for item in hf_dir.iterdir():
         if item.is_file() and item.name not in _MODEL_FILES:
-            shutil.copy2(item, out_dir / item.name)     # tokenizer files and the trained generation config
+            shutil.copy2(item, out_dir / item.name)  # tokenizer files and the trained generation config
     return out_dir
 
 
@@ -85,18 +89,28 @@ def _check_keys(model: torch.nn.Module, state_dict: dict, role_dir: Path) -> Non
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
-        raise CheckpointError(f"weights in {str(role_dir)!r} do not match the architecture in its config: "
-                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"weights in {str(role_dir)!r} do not match the architecture in its config: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def _check_tied(model: torch.nn.Module, config) -> None:
-    """With tie_word_embeddings the output matrix must equal the input embedding, or re-tying would lose it."""
+    """With tie_word_embeddings the output matrix must equal the input embedding, or re-tying would lose
+    it.
+    """
     if not getattr(config, "tie_word_embeddings", False):
         return
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
-    if output is not None and output.weight is not inputs.weight and not torch.equal(output.weight, inputs.weight):
-        raise CheckpointError("config says tie_word_embeddings=True but the checkpoint's lm_head differs from the "
-                              "input embedding")
+    if (
+        output is not None
+        and output.weight is not inputs.weight
+        and not torch.equal(output.weight, inputs.weight)
+    ):
+        raise CheckpointError(
+            "config says tie_word_embeddings=True but the checkpoint's lm_head differs from the "
+            "input embedding"
+        )
 
 
 def _target_dtype(dtype: str, config, state_dict: dict) -> torch.dtype | None:
@@ -104,7 +118,7 @@ def _target_dtype(dtype: str, config, state_dict: dict) -> torch.dtype | None:
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
-    fields = config.to_dict()   # "dtype" in transformers 5, "torch_dtype" before (reading the attribute warns)
+    fields = config.to_dict()  # "dtype" in transformers 5, "torch_dtype" before (reading the attribute warns)
     recorded = fields.get("dtype") or fields.get("torch_dtype")
     if isinstance(recorded, torch.dtype):
         return recorded
@@ -118,12 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="global_step_N directory or experiment root")
     parser.add_argument("--out", type=Path, required=True, help="output Hugging Face folder")
     parser.add_argument("--role", default="actor", help="model role inside the checkpoint (default: actor)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype of the export")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype of the export"
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size")
     args = parser.parse_args(argv)
     try:
-        out = export_hf(args.checkpoint, args.out, role=args.role, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size)
+        out = export_hf(
+            args.checkpoint, args.out, role=args.role, dtype=args.dtype, max_shard_size=args.max_shard_size
+        )
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

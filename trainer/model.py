@@ -40,8 +40,16 @@ from transformers import (
 
 log = logging.getLogger(__name__)
 
-DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop",
-                "attn_pdrop", "summary_first_dropout", "dropout")
+DROPOUT_KEYS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "classifier_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "summary_first_dropout",
+    "dropout",
+)
 # Tokenizer classes that mean "use tokenizer.json exactly as written" (see load_tokenizer).
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -96,11 +104,14 @@ def resolve_source(path: str) -> ModelSource:
         return ModelSource("/".join(parts[:2]), "/".join(parts[2:]))
     if local.exists():
         if not local.is_dir():
-            raise ValueError(f"model path {path} is a file but not a .gguf file; give a folder, a GGUF "
-                             "file or a hub id")
+            raise ValueError(
+                f"model path {path} is a file but not a .gguf file; give a folder, a GGUF file or a hub id"
+            )
         return ModelSource(str(local))
     if _looks_local(path) or path.count("/") > 1:
-        raise FileNotFoundError(f"model path {path} does not exist (neither a folder, a GGUF file nor a hub id)")
+        raise FileNotFoundError(
+            f"model path {path} does not exist (neither a folder, a GGUF file nor a hub id)"
+        )
     return ModelSource(path)
 
 
@@ -122,20 +133,25 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
     if _declared_tokenizer_class(source) in GENERIC_TOKENIZER_CLASSES:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(source.name_or_dir)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(source.name_or_dir, trust_remote_code=trust_remote_code,
-                                                  **source.kwargs())
+        tokenizer = AutoTokenizer.from_pretrained(
+            source.name_or_dir, trust_remote_code=trust_remote_code, **source.kwargs()
+        )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer of {path} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     if not tokenizer.chat_template:
-        log.warning("tokenizer of %s has no chat template; prompts must be given as token ids or plain text", path)
+        log.warning(
+            "tokenizer of %s has no chat template; prompts must be given as token ids or plain text", path
+        )
     return tokenizer
 
 
 def _config_without_dropout(source: ModelSource, trust_remote_code: bool, **overrides):
-    config = AutoConfig.from_pretrained(source.name_or_dir, trust_remote_code=trust_remote_code, **source.kwargs())
+    config = AutoConfig.from_pretrained(
+        source.name_or_dir, trust_remote_code=trust_remote_code, **source.kwargs()
+    )
     for key in DROPOUT_KEYS:
         if isinstance(getattr(config, key, None), (int, float)):
             setattr(config, key, 0.0)
@@ -157,50 +173,91 @@ def is_gradient_checkpointing(model: PreTrainedModel) -> bool:
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
-def _load(auto_class, path: str, *, device, param_dtype, trust_remote_code, attn_implementation, **config_overrides):
+def _load(
+    auto_class, path: str, *, device, param_dtype, trust_remote_code, attn_implementation, **config_overrides
+):
     source = resolve_source(path)
     config = _config_without_dropout(source, trust_remote_code, **config_overrides)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = auto_class.from_pretrained(source.name_or_dir, config=config, dtype=param_dtype,
-                                       trust_remote_code=trust_remote_code, **source.kwargs(), **extra)
+    model = auto_class.from_pretrained(
+        source.name_or_dir,
+        config=config,
+        dtype=param_dtype,
+        trust_remote_code=trust_remote_code,
+        **source.kwargs(),
+        **extra,
+    )
     return model.to(device=device, dtype=param_dtype)
 
 
 def load_policy(
-    path: str, *, device: torch.device | str = "cpu", param_dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False, gradient_checkpointing: bool = False, attn_implementation: str | None = None,
+    path: str,
+    *,
+    device: torch.device | str = "cpu",
+    param_dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """The trainable causal LM (train mode)."""
-    model = _load(AutoModelForCausalLM, path, device=device, param_dtype=param_dtype,
-                  trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+    model = _load(
+        AutoModelForCausalLM,
+        path,
+        device=device,
+        param_dtype=param_dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.train()
 
 
 def load_reference(
-    path: str, *, device: torch.device | str = "cpu", param_dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False, attn_implementation: str | None = None,
+    path: str,
+    *,
+    device: torch.device | str = "cpu",
+    param_dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """The frozen reference policy: eval mode, no gradients."""
-    model = _load(AutoModelForCausalLM, path, device=device, param_dtype=param_dtype,
-                  trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+    model = _load(
+        AutoModelForCausalLM,
+        path,
+        device=device,
+        param_dtype=param_dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
     model.requires_grad_(False)
     return model.eval()
 
 
 def load_critic(
-    path: str, *, device: torch.device | str = "cpu", param_dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False, gradient_checkpointing: bool = False, attn_implementation: str | None = None,
+    path: str,
+    *,
+    device: torch.device | str = "cpu",
+    param_dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """The value model: the causal LM's backbone with a fresh scalar head per token (as verl builds it).
 
     AutoModelForTokenClassification with num_labels=1 keeps the checkpoint an ordinary HF model;
     the LM head of a causal checkpoint is dropped and `score` starts from the config's init.
     """
-    model = _load(AutoModelForTokenClassification, path, device=device, param_dtype=param_dtype,
-                  trust_remote_code=trust_remote_code, attn_implementation=attn_implementation, num_labels=1,
-                  classifier_dropout=0.0)
+    model = _load(
+        AutoModelForTokenClassification,
+        path,
+        device=device,
+        param_dtype=param_dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        num_labels=1,
+        classifier_dropout=0.0,
+    )
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.train()

@@ -45,8 +45,10 @@ class SeriesSummary:
     best: float  # the maximum: every summarised metric is higher-is-better
 
     def line(self) -> str:
-        return (f"{self.key}: first {self.first:.4f} (step {self.first_step}), last {self.last:.4f} "
-                f"(step {self.last_step}), best {self.best:.4f} (step {self.best_step})")
+        return (
+            f"{self.key}: first {self.first:.4f} (step {self.first_step}), last {self.last:.4f} "
+            f"(step {self.last_step}), best {self.best:.4f} (step {self.best_step})"
+        )
 
 
 def load_metrics(metrics_file: Path) -> Series:
@@ -63,7 +65,11 @@ def load_metrics(metrics_file: Path) -> Series:
             skipped += 1  # e.g. the half-written last line of a run that is still going
             continue
         for key, value in record.items():
-            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (
+                key not in ("step", "time")
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+            ):
                 by_key.setdefault(key, {})[step] = float(value)
     if skipped:
         print(f"warning: skipped {skipped} unreadable line(s) in {metrics_file}", file=sys.stderr)
@@ -89,7 +95,9 @@ def plot(series: Series, out_file: Path, *, title: str = "") -> list[str]:
 
     panels = panels_present(series)
     if not panels:
-        raise ValueError("no known metric to plot (expected e.g. critic/score/mean, actor/pg_loss, timing_s/*)")
+        raise ValueError(
+            "no known metric to plot (expected e.g. critic/score/mean, actor/pg_loss, timing_s/*)"
+        )
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.5 * rows), squeeze=False, dpi=100)
@@ -102,7 +110,7 @@ def plot(series: Series, out_file: Path, *, title: str = "") -> list[str]:
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    for axis in list(axes.flat)[len(panels):]:
+    for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
     if title:
         figure.suptitle(title)

@@ -23,7 +23,9 @@ from trainer.rollout.base import Rollout
 
 
 class Scorer(Protocol):
-    async def score(self, items: Sequence[dict], options: RewardOptions | None = None) -> list[RewardResult]: ...
+    async def score(
+        self, items: Sequence[dict], options: RewardOptions | None = None
+    ) -> list[RewardResult]: ...
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,15 @@ def reward_items(prompts: Sequence[PromptRecord], rollouts: Sequence[Rollout], t
     for rollout, text in zip(rollouts, texts, strict=True):
         prompt = prompts[rollout.prompt_index]
         extra = {**(prompt.extra_info or {}), "response_length": len(rollout.response_ids)}
-        items.append({"data_source": prompt.data_source, "response": text, "ground_truth": prompt.ground_truth,
-                      "extra_info": extra, "prompt": prompt.raw_prompt[-1]["content"] if prompt.raw_prompt else None})
+        items.append(
+            {
+                "data_source": prompt.data_source,
+                "response": text,
+                "ground_truth": prompt.ground_truth,
+                "extra_info": extra,
+                "prompt": prompt.raw_prompt[-1]["content"] if prompt.raw_prompt else None,
+            }
+        )
     return items
 
 
@@ -52,10 +61,15 @@ def reward_options(reward_model, max_response_length: int) -> RewardOptions:
     overlong = reward_model.overlong_buffer
     shaping = {}
     if overlong.enable:
-        shaping = {"overlong_enable": True, "overlong_max_len": max_response_length,
-                   "overlong_buffer_len": min(overlong.len, max_response_length),
-                   "overlong_penalty_factor": overlong.penalty_factor}
-    return RewardOptions(gsm8k_method=reward_model.gsm8k_method, format_score=reward_model.format_score, **shaping)
+        shaping = {
+            "overlong_enable": True,
+            "overlong_max_len": max_response_length,
+            "overlong_buffer_len": min(overlong.len, max_response_length),
+            "overlong_penalty_factor": overlong.penalty_factor,
+        }
+    return RewardOptions(
+        gsm8k_method=reward_model.gsm8k_method, format_score=reward_model.format_score, **shaping
+    )
 
 
 async def score_rollouts(scorer: Scorer, items: list[dict], options: RewardOptions) -> Scores:
@@ -68,7 +82,9 @@ async def score_rollouts(scorer: Scorer, items: list[dict], options: RewardOptio
 
 
 class CustomFunctionScorer:
-    """verl's custom_reward_function: `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`."""
+    """verl's custom_reward_function: `fn(data_source, solution_str, ground_truth, extra_info) -> float |
+    dict`.
+    """
 
     def __init__(self, path: str, name: str) -> None:
         spec = importlib.util.spec_from_file_location("custom_reward_module", path)
@@ -95,8 +111,17 @@ class CustomFunctionScorer:
         pass
 
 
-async def open_scorer(mode: str, *, urls: list[str], timeout_s: float, retries: int, token: str | None,
-                      health_timeout_s: float, custom_path: str | None, custom_name: str):
+async def open_scorer(
+    mode: str,
+    *,
+    urls: list[str],
+    timeout_s: float,
+    retries: int,
+    token: str | None,
+    health_timeout_s: float,
+    custom_path: str | None,
+    custom_name: str,
+):
     """The scorer the config names; the server one has answered /health. Close with `close_scorer`."""
     if mode == "local":
         if custom_path:

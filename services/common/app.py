@@ -76,7 +76,9 @@ def create_service_app(
     async def health(request: Request) -> JSONResponse:
         state = request.app.state
         if state.load_error is not None:
-            return JSONResponse({"status": "failed", "service": name, "error": state.load_error}, status_code=503)
+            return JSONResponse(
+                {"status": "failed", "service": name, "error": state.load_error}, status_code=503
+            )
         if not state.ready:
             return JSONResponse({"status": "loading", "service": name}, status_code=503)
         return JSONResponse({"status": "ok", "service": name, "version": version, **state.health_info})

@@ -169,7 +169,9 @@ class AsyncServiceClient(_Policy):
             self.replicas.mark_failed(replica)
             if attempt < self.retries:
                 delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng)
-                log.warning("retrying", extra={"problem": last_problem, "attempt": attempt + 1, "delay_s": delay})
+                log.warning(
+                    "retrying", extra={"problem": last_problem, "attempt": attempt + 1, "delay_s": delay}
+                )
                 await asyncio.sleep(delay)
         raise ServiceError(f"gave up after {self.retries + 1} attempts: {last_problem}")
 

@@ -51,12 +51,19 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
-            {"field": _field_path(e.get("loc", ()), e.get("type", "")), "msg": _message(e), "type": e.get("type")}
+            {
+                "field": _field_path(e.get("loc", ()), e.get("type", "")),
+                "msg": _message(e),
+                "type": e.get("type"),
+            }
             for e in exc.errors()
         ]
         return JSONResponse(
             status_code=422,
-            content={"error": f"invalid request: {describe_validation_errors(exc.errors())}", "detail": errors},
+            content={
+                "error": f"invalid request: {describe_validation_errors(exc.errors())}",
+                "detail": errors,
+            },
         )
 
     @app.exception_handler(ApiError)

@@ -8,13 +8,18 @@ import sys
 import time
 
 # Attributes every LogRecord has; anything else was passed through `extra=` and belongs in the line.
-_STANDARD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "color_message"}
+_STANDARD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -28,7 +33,8 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         extras = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD_ATTRS)
-        text = f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {record.levelname:<7} {record.name}: "
+        clock = time.strftime("%H:%M:%S", time.localtime(record.created))
+        text = f"{clock} {record.levelname:<7} {record.name}: "
         text += record.getMessage() + (f" {extras}" if extras else "")
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)

@@ -48,7 +48,10 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self.errors = Counter(
-            f"{prefix}_errors_total", "HTTP responses with status >= 400", ["route", "status"], registry=self.registry
+            f"{prefix}_errors_total",
+            "HTTP responses with status >= 400",
+            ["route", "status"],
+            registry=self.registry,
         )
 
 
@@ -83,7 +86,12 @@ class ObservabilityMiddleware:
             if route not in ("/health", "/metrics"):
                 log.info(
                     "request",
-                    extra={"method": method, "path": scope["path"], "status": status, "ms": round(elapsed * 1e3, 2)},
+                    extra={
+                        "method": method,
+                        "path": scope["path"],
+                        "status": status,
+                        "ms": round(elapsed * 1e3, 2),
+                    },
                 )
 
 
@@ -141,5 +149,7 @@ class BearerAuthMiddleware:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            return await send_json(send, 401, {"error": "missing or invalid bearer token (Authorization header)"})
+            return await send_json(
+                send, 401, {"error": "missing or invalid bearer token (Authorization header)"}
+            )
         return await self.app(scope, receive, send)

@@ -51,9 +51,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[S
     for name, field in settings_cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         annotation = _unwrap_optional(field.annotation)
-        helptext = f"{field.description or ''} (env {settings_cls.model_config.get('env_prefix', '')}{name.upper()})"
+        helptext = (
+            f"{field.description or ''} (env {settings_cls.model_config.get('env_prefix', '')}{name.upper()})"
+        )
         if annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext
+            )
         elif typing.get_origin(annotation) in (list, tuple):
             parser.add_argument(flag, dest=name, nargs="+", default=None, help=helptext)
         else:

@@ -1,4 +1,6 @@
-"""python -m services.data_server [serve] --port 8000 ...   |   python -m services.data_server export gsm8k --out DIR"""
+"""python -m services.data_server [serve] --port 8000 ...   |   python -m services.data_server export gsm8k
+--out DIR
+"""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     from services.data_server import sources
     from services.data_server.app import DataServerSettings, create_app
 
-    parser = argparse.ArgumentParser(prog="python -m services.data_server", description=DataServerSettings.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m services.data_server", description=DataServerSettings.__doc__
+    )
     add_settings_arguments(parser, DataServerSettings)
     settings = settings_from_namespace(DataServerSettings, parser.parse_args(argv))
     try:
@@ -41,7 +45,9 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("dataset", choices=["gsm8k", "synthetic-arith"])
     parser.add_argument("--out", required=True, type=Path, help="Folder for train.parquet and test.parquet.")
     parser.add_argument(
-        "--source", default=None, help="gsm8k: a folder/file of GSM8K jsonl or parquet (default: hub openai/gsm8k)."
+        "--source",
+        default=None,
+        help="gsm8k: a folder/file of GSM8K jsonl or parquet (default: hub openai/gsm8k).",
     )
     parser.add_argument("--difficulty", default="easy", help="synthetic-arith: easy | medium | hard.")
     parser.add_argument("--seed", type=int, default=0)

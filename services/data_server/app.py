@@ -35,7 +35,8 @@ class DataServerSettings(ServiceSettings):
     port: int = Field(8000, ge=0, le=65535, description="TCP port to bind.")
     datasets: list[str] | None = Field(
         None,
-        description="NAME=SOURCE specs (hub:REPO[:CONFIG], a file or folder, synthetic-arith[:easy|medium|hard]). "
+        description="NAME=SOURCE specs (hub:REPO[:CONFIG], a file or folder, "
+        "synthetic-arith[:easy|medium|hard]). "
         "Unset: synthetic-arith, plus openai/gsm8k as `gsm8k` when the hub is reachable.",
     )
     seed: int = Field(0, description="Seed of every epoch order; change it for a different shuffle.")
@@ -52,13 +53,17 @@ def dataset_specs(settings: DataServerSettings) -> list[str]:
     if sources.hub_reachable(settings.hub_probe_timeout_s):
         specs.append("gsm8k=hub:openai/gsm8k")
     else:
-        log.warning("hub unreachable: serving synthetic-arith only (name a GSM8K folder with --datasets gsm8k=DIR)")
+        log.warning(
+            "hub unreachable: serving synthetic-arith only (name a GSM8K folder with --datasets gsm8k=DIR)"
+        )
     return specs
 
 
 def load_store(settings: DataServerSettings) -> DataStore:
     sizes = {"train": settings.synthetic_train_size, "test": settings.synthetic_test_size}
-    loaded = [sources.load_spec(spec, seed=settings.seed, synthetic_sizes=sizes) for spec in dataset_specs(settings)]
+    loaded = [
+        sources.load_spec(spec, seed=settings.seed, synthetic_sizes=sizes) for spec in dataset_specs(settings)
+    ]
     return DataStore(loaded, settings.seed)
 
 

@@ -7,8 +7,9 @@ from services.data_server.schemas import BatchResponse, DatasetsResponse
 
 
 class DataClient(ServiceClient):
-
-    async def batch(self, dataset: str, split: str, batch_size: int, cursor: str | None = None) -> BatchResponse:
+    async def batch(
+        self, dataset: str, split: str, batch_size: int, cursor: str | None = None
+    ) -> BatchResponse:
         """The batch at `cursor` (None: the very first); pass `next_cursor` back for the next one."""
         payload = {"dataset": dataset, "split": split, "batch_size": batch_size, "cursor": cursor}
         return BatchResponse.model_validate(await self.http.post("/v1/batches", payload))

@@ -17,7 +17,12 @@ VERL_GSM8K_SCHEMA = pa.schema(
         (
             "extra_info",
             pa.struct(
-                [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())]
+                [
+                    ("answer", pa.string()),
+                    ("index", pa.int64()),
+                    ("question", pa.string()),
+                    ("split", pa.string()),
+                ]
             ),
         ),
     ]
@@ -31,7 +36,8 @@ def write_verl_parquet(rows: list[dict], path: Path) -> None:
         "prompt": [[{"content": m["content"], "role": m["role"]} for m in r["prompt"]] for r in rows],
         "ability": [r["ability"] for r in rows],
         "reward_model": [
-            {"ground_truth": r["reward_model"]["ground_truth"], "style": r["reward_model"]["style"]} for r in rows
+            {"ground_truth": r["reward_model"]["ground_truth"], "style": r["reward_model"]["style"]}
+            for r in rows
         ],
         "extra_info": [
             {k: r["extra_info"][k] for k in ("answer", "index", "question", "split")} for r in rows

@@ -155,11 +155,21 @@ def build_rows(raw_rows: Iterable[dict], split: str, dataset_name: str) -> tuple
             if kind == "verl":
                 row = verl_row(raw, split, index)
             elif kind == "qa":
-                row = qa_row(raw["question"], raw["golden_answers"], split, index,
-                             raw.get("data_source") or dataset_name)
+                row = qa_row(
+                    raw["question"],
+                    raw["golden_answers"],
+                    split,
+                    index,
+                    raw.get("data_source") or dataset_name,
+                )
             elif kind == "math":
-                row = math_row(raw["problem"], raw.get("solution") or raw["answer"], split, index,
-                               raw.get("data_source") or MATH_SOURCE)
+                row = math_row(
+                    raw["problem"],
+                    raw.get("solution") or raw["answer"],
+                    split,
+                    index,
+                    raw.get("data_source") or MATH_SOURCE,
+                )
             else:
                 row = gsm8k_row(raw["question"], raw["answer"], split, index)
         except (KeyError, TypeError, ValueError) as exc:
@@ -253,8 +263,12 @@ def load_spec(
     if source.startswith("synthetic-arith"):
         difficulty = source.partition(":")[2] or "easy"
         if difficulty not in LEVELS:
-            raise DataSourceError(f"dataset {name!r}: difficulty {difficulty!r} is not one of {sorted(LEVELS)}")
-        splits = {split: synthetic_rows(seed, split, size, difficulty) for split, size in synthetic_sizes.items()}
+            raise DataSourceError(
+                f"dataset {name!r}: difficulty {difficulty!r} is not one of {sorted(LEVELS)}"
+            )
+        splits = {
+            split: synthetic_rows(seed, split, size, difficulty) for split, size in synthetic_sizes.items()
+        }
         dataset = Dataset(name, "synthetic-arith", SYNTHETIC_SOURCE)
         dataset.splits = {split: with_uids(rows, name, split) for split, rows in splits.items()}
         return dataset

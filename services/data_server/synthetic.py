@@ -17,10 +17,50 @@ from typing import Literal
 
 Difficulty = Literal["easy", "medium", "hard"]
 
-NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena",
-         "Mateo", "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara", "Uma", "Vik", "Wren", "Yusuf"]
-OBJECTS = ["apples", "marbles", "stickers", "pencils", "cookies", "stamps", "shells", "books", "coins",
-           "cards", "beads", "plums", "seeds", "blocks", "ribbons", "buttons"]
+NAMES = [
+    "Ava",
+    "Ben",
+    "Chen",
+    "Dara",
+    "Eli",
+    "Fatima",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jade",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nia",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+    "Uma",
+    "Vik",
+    "Wren",
+    "Yusuf",
+]
+OBJECTS = [
+    "apples",
+    "marbles",
+    "stickers",
+    "pencils",
+    "cookies",
+    "stamps",
+    "shells",
+    "books",
+    "coins",
+    "cards",
+    "beads",
+    "plums",
+    "seeds",
+    "blocks",
+    "ribbons",
+    "buttons",
+]
 
 
 @dataclass(frozen=True)
@@ -86,7 +126,9 @@ def make_problem(seed: int, split: str, index: int, difficulty: Difficulty = "ea
         op, operand = _pick_step(rng, value, level)
         new_value = _apply(op, value, operand)
         sentences.append(_PHRASES[op].format(who=name, n=operand))
-        work.append(f"{value} {_SYMBOL[op]} {operand} = <<{value}{_SYMBOL[op]}{operand}={new_value}>>{new_value}")
+        work.append(
+            f"{value} {_SYMBOL[op]} {operand} = <<{value}{_SYMBOL[op]}{operand}={new_value}>>{new_value}"
+        )
         value = new_value
     sentences.append(f"How many {obj} does {name} have now?")
     answer = "\n".join(work) + f"\n#### {value}"

@@ -7,7 +7,6 @@ from services.retrieval_server.schemas import Document, Hit
 
 
 class RetrievalClient(ServiceClient):
-
     async def retrieve(
         self, queries: list[str], topk: int = 3, return_scores: bool = True
     ) -> list[list[Hit]]:

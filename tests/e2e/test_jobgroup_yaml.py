@@ -372,7 +372,8 @@ def multinode_trainer_argv(task, home: Path) -> list[str]:
 
 
 def test_trainer_accepts_the_keys_multinode_submits(tmp_path):
-    # The head's data step, for real but offline: the same export, of the synthetic set, where the run expects it.
+    # The head's data step, for real but offline: the same export, of the synthetic set, where the run
+    # expects it.
     out = tmp_path / "data" / "gsm8k"
     subprocess.run(
         [
@@ -461,8 +462,10 @@ def test_wait_for_services_against_a_real_data_server_and_a_dead_port():
     assert elapsed < 3 + 8, elapsed  # gives up at its deadline (plus one probe), not later
     errors = failed.stderr.strip().splitlines()
     assert errors == [
-        f"error: service data-server never became healthy within 3s: {dead}/health (last: connection refused)",
-        f"error: service reward-server never became healthy within 3s: {dead}/health (last: connection refused)",
+        f"error: service data-server never became healthy within 3s: {dead}/health (last: connection "
+        "refused)",
+        f"error: service reward-server never became healthy within 3s: {dead}/health (last: "
+        "connection refused)",
     ]
 
 

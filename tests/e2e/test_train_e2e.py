@@ -54,35 +54,64 @@ def seven_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def data_server(seven_data):
-    with service_process("services.data_server", "--datasets", f"seven={seven_data}", "--log-level", "warning") as (
-        url, _):
+    with service_process(
+        "services.data_server", "--datasets", f"seven={seven_data}", "--log-level", "warning"
+    ) as (url, _):
         yield url
 
 
 def start_reward_server(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.reward_server", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "services.reward_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_healthy(f"http://127.0.0.1:{port}", 120, proc)
     return proc
 
 
 def common_args(model: Path, workdir: Path, steps: int) -> list[str]:
     return [
-        "algorithm.adv_estimator=grpo", f"actor_rollout_ref.model.path={model}",
-        "data.train_batch_size=8", "data.max_prompt_length=160", "data.max_response_length=6",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.optim.lr=3e-3",
-        "actor_rollout_ref.rollout.n=8", "reward_model.gsm8k_method=flexible",
-        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
-        "trainer.device=cpu", "trainer.logger=[jsonl]",
-        f"trainer.default_local_dir={workdir / 'ckpt'}", f"trainer.log_dir={workdir / 'run'}",
+        "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.model.path={model}",
+        "data.train_batch_size=8",
+        "data.max_prompt_length=160",
+        "data.max_response_length=6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.optim.lr=3e-3",
+        "actor_rollout_ref.rollout.n=8",
+        "reward_model.gsm8k_method=flexible",
+        f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.device=cpu",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={workdir / 'ckpt'}",
+        f"trainer.log_dir={workdir / 'run'}",
         f"trainer.rollout_data_dir={workdir / 'rollouts'}",
     ]
 
 
 def train(args: list[str], *, timeout: float = 600, env: dict | None = None, check: bool = True):
-    done = subprocess.run([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.main_ppo", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -95,7 +124,9 @@ def metrics_of(workdir: Path) -> list[dict]:
 def trained_uids(workdir: Path, steps: int) -> list[str]:
     uids = []
     for step in range(1, steps + 1):
-        rows = [json.loads(line) for line in (workdir / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line) for line in (workdir / "rollouts" / f"{step}.jsonl").read_text().splitlines()
+        ]
         uids += list(dict.fromkeys(row["uid"] for row in rows))  # n rows per prompt, in order
     return uids
 
@@ -104,8 +135,9 @@ def served_uids(url: str, batches: int, batch_size: int = 8) -> list[str]:
     """What the data-server hands out, walking its cursor from the start."""
     uids, cursor = [], None
     for _ in range(batches):
-        body = httpx.post(url + "/v1/batches", json={"dataset": "seven", "batch_size": batch_size,
-                                                     "cursor": cursor}).json()
+        body = httpx.post(
+            url + "/v1/batches", json={"dataset": "seven", "batch_size": batch_size, "cursor": cursor}
+        ).json()
         uids += [item["uid"] for item in body["items"]]
         cursor = body["next_cursor"]
     return uids
@@ -114,8 +146,9 @@ def served_uids(url: str, batches: int, batch_size: int = 8) -> list[str]:
 def served_cursor(url: str, batches: int, batch_size: int = 8) -> str:
     cursor = None
     for _ in range(batches):
-        cursor = httpx.post(url + "/v1/batches", json={"dataset": "seven", "batch_size": batch_size,
-                                                       "cursor": cursor}).json()["next_cursor"]
+        cursor = httpx.post(
+            url + "/v1/batches", json={"dataset": "seven", "batch_size": batch_size, "cursor": cursor}
+        ).json()["next_cursor"]
     return cursor
 
 
@@ -123,7 +156,9 @@ def test_grpo_learns_through_real_services(tiny_model, data_server, tmp_path):
     port = free_port()
     reward = start_reward_server(port)
     try:
-        train(common_args(tiny_model, tmp_path, 30) + server_args(data_server, port) + ["trainer.save_freq=-1"])
+        train(
+            common_args(tiny_model, tmp_path, 30) + server_args(data_server, port) + ["trainer.save_freq=-1"]
+        )
     finally:
         stop_process(reward)
     scores = [m["critic/score/mean"] for m in metrics_of(tmp_path) if "critic/score/mean" in m]
@@ -135,9 +170,15 @@ def test_grpo_learns_through_real_services(tiny_model, data_server, tmp_path):
 
 
 def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
-    files = [f"data.train_files={seven_data / 'parquet/train.parquet'}", "reward_model.mode=local",
-             "trainer.save_freq=2", "data.max_response_length=4", "actor_rollout_ref.rollout.n=4",
-             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    files = [
+        f"data.train_files={seven_data / 'parquet/train.parquet'}",
+        "reward_model.mode=local",
+        "trainer.save_freq=2",
+        "data.max_response_length=4",
+        "actor_rollout_ref.rollout.n=4",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(common_args(tiny_model, straight, 4) + files)
     train(common_args(tiny_model, split, 2) + files)
@@ -149,19 +190,31 @@ def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
     # the data cursor and the tracker's run id travelled with the checkpoint
-    assert load_train_state(split / "ckpt/global_step_4").data_cursor == load_train_state(
-        straight / "ckpt/global_step_4").data_cursor
+    assert (
+        load_train_state(split / "ckpt/global_step_4").data_cursor
+        == load_train_state(straight / "ckpt/global_step_4").data_cursor
+    )
     assert len({m.get("step") for m in metrics_of(split)}) == 4
 
 
 def server_args(data_url: str, reward_port: int) -> list[str]:
-    return ["data.source=server", "data.dataset=seven", f"services.data_url={data_url}",
-            f"services.reward_url=http://127.0.0.1:{reward_port}", "reward_model.mode=server"]
+    return [
+        "data.source=server",
+        "data.dataset=seven",
+        f"services.data_url={data_url}",
+        f"services.reward_url=http://127.0.0.1:{reward_port}",
+        "reward_model.mode=server",
+    ]
 
 
 def start_trainer(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer.main_ppo", *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.main_ppo", *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -169,7 +222,9 @@ def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: flo
     path = workdir / "run" / "metrics.jsonl"
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
-        if path.exists() and any(json.loads(l).get("step") == step for l in path.read_text().splitlines() if l):
+        if path.exists() and any(
+            json.loads(line).get("step") == step for line in path.read_text().splitlines() if line
+        ):
             return
         time.sleep(0.2)
     raise TimeoutError(f"step {step} never logged")
@@ -178,8 +233,11 @@ def wait_for_step(workdir: Path, step: int, proc: subprocess.Popen, timeout: flo
 def test_reward_server_restart_mid_run_loses_nothing(tiny_model, data_server, tmp_path):
     port = free_port()
     reward = start_reward_server(port)
-    trainer = start_trainer(common_args(tiny_model, tmp_path, 6) + server_args(data_server, port) + [
-        "services.retries=12", "trainer.save_freq=-1"])
+    trainer = start_trainer(
+        common_args(tiny_model, tmp_path, 6)
+        + server_args(data_server, port)
+        + ["services.retries=12", "trainer.save_freq=-1"]
+    )
     try:
         wait_for_step(tmp_path, 2, trainer)
         reward.send_signal(signal.SIGKILL)
@@ -197,8 +255,11 @@ def test_reward_server_restart_mid_run_loses_nothing(tiny_model, data_server, tm
 def test_reward_server_gone_for_good_ends_with_clear_error_and_checkpoint(tiny_model, data_server, tmp_path):
     port = free_port()
     reward = start_reward_server(port)
-    trainer = start_trainer(common_args(tiny_model, tmp_path, 50) + server_args(data_server, port) + [
-        "services.retries=2", "trainer.save_freq=2"])
+    trainer = start_trainer(
+        common_args(tiny_model, tmp_path, 50)
+        + server_args(data_server, port)
+        + ["services.retries=2", "trainer.save_freq=2"]
+    )
     try:
         wait_for_step(tmp_path, 3, trainer)
         stop_process(reward)
@@ -233,11 +294,22 @@ def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path)
     monkeypatch.setenv("HOME", str(verl_home))
     port = free_port()
     reward = start_reward_server(port)
-    env = {"HOME": str(verl_home), "REWARD_SERVER_URL": f"http://127.0.0.1:{port}", "WANDB_MODE": "offline",
-           "WANDB_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    env = {
+        "HOME": str(verl_home),
+        "REWARD_SERVER_URL": f"http://127.0.0.1:{port}",
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "PYTHONUNBUFFERED": "1",
+    }
     try:
-        done = subprocess.run([sys.executable, "-m", "trainer.main_ppo", *argv_of(small(command))],
-                              cwd=verl_home, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer.main_ppo", *argv_of(small(command))],
+            cwd=verl_home,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, **env},
+        )
     finally:
         stop_process(reward)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -250,15 +322,26 @@ def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path)
 
 
 def test_dapo_dynamic_sampling_trains_only_groups_whose_rewards_vary(tiny_model, seven_data, tmp_path):
-    train(common_args(tiny_model, tmp_path, 2) + [
-        f"data.train_files={seven_data / 'parquet/train.parquet'}", "reward_model.mode=local",
-        "trainer.save_freq=-1", "data.train_batch_size=2", "data.gen_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "algorithm.filter_groups.enable=true",
-        "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=50"])
+    train(
+        common_args(tiny_model, tmp_path, 2)
+        + [
+            f"data.train_files={seven_data / 'parquet/train.parquet'}",
+            "reward_model.mode=local",
+            "trainer.save_freq=-1",
+            "data.train_batch_size=2",
+            "data.gen_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=acc",
+            "algorithm.filter_groups.max_num_gen_batches=50",
+        ]
+    )
     steps = [m for m in metrics_of(tmp_path) if "train/num_gen_batches" in m]
     assert len(steps) == 2 and all(m["train/num_gen_batches"] >= 1 for m in steps)
     for step in (1, 2):
-        rows = [json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()
+        ]
         groups: dict[str, list[float]] = {}
         for row in rows:
             groups.setdefault(row["uid"], []).append(row["score"])

@@ -17,7 +17,10 @@ from services.data_server.synthetic import make_problem
 from tests.helpers import ROOT, SHARED_DATA, service_process
 
 GSM8K_ROWS = [
-    {"question": f"Sam has {i} apples and buys 1,000 more. How many now?", "answer": f"{i}+1000=<<{i}+1000={i + 1000}>>\n#### {i + 1000:,}"}
+    {
+        "question": f"Sam has {i} apples and buys 1,000 more. How many now?",
+        "answer": f"{i}+1000=<<{i}+1000={i + 1000}>>\n#### {i + 1000:,}",
+    }
     for i in range(40)
 ]
 
@@ -33,10 +36,21 @@ def gsm8k_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(gsm8k_dir):
     """Two independent server processes with the same settings."""
-    args = ["--datasets", f"gsm8k={gsm8k_dir}", "synthetic-arith=synthetic-arith:medium",
-            "--synthetic-train-size", "100", "--synthetic-test-size", "10", "--seed", "7"]
-    with service_process("services.data_server", *args) as (url_a, _), \
-            service_process("services.data_server", *args) as (url_b, _):
+    args = [
+        "--datasets",
+        f"gsm8k={gsm8k_dir}",
+        "synthetic-arith=synthetic-arith:medium",
+        "--synthetic-train-size",
+        "100",
+        "--synthetic-test-size",
+        "10",
+        "--seed",
+        "7",
+    ]
+    with (
+        service_process("services.data_server", *args) as (url_a, _),
+        service_process("services.data_server", *args) as (url_b, _),
+    ):
         yield url_a, url_b
 
 
@@ -90,7 +104,9 @@ def test_items_carry_verl_fields(servers):
     item = post_batch(url, dataset="gsm8k", split="test", batch_size=1).json()["items"][0]
     assert item["data_source"] == "openai/gsm8k" and item["ability"] == "math"
     assert item["prompt"][0]["role"] == "user"
-    assert item["prompt"][0]["content"].endswith('Let\'s think step by step and output the final answer after "####".')
+    assert item["prompt"][0]["content"].endswith(
+        'Let\'s think step by step and output the final answer after "####".'
+    )
     index = item["extra_info"]["index"]
     assert item["reward_model"] == {"style": "rule", "ground_truth": str(30 + index + 1000)}  # commas removed
     assert item["extra_info"]["split"] == "test"
@@ -132,10 +148,16 @@ def test_datasets_seed_routes_and_metrics(servers):
     url, _ = servers
     listed = httpx.get(url + "/v1/datasets").json()["datasets"]
     assert {d["name"]: d["splits"] for d in listed} == {
-        "gsm8k": {"train": 30, "test": 10}, "synthetic-arith": {"train": 100, "test": 10}}
-    seed = httpx.get(url + "/prompts", params={"batch_size": 3, "shuffle": "false", "dataset": "gsm8k"}).json()
+        "gsm8k": {"train": 30, "test": 10},
+        "synthetic-arith": {"train": 100, "test": 10},
+    }
+    seed = httpx.get(
+        url + "/prompts", params={"batch_size": 3, "shuffle": "false", "dataset": "gsm8k"}
+    ).json()
     assert seed["total_available"] == 30 and len(seed["prompts"]) == 3
-    assert seed["prompts"][0]["ground_truth"] == "1000" and seed["prompts"][0]["question_id"] == "gsm8k/train/0"
+    assert (
+        seed["prompts"][0]["ground_truth"] == "1000" and seed["prompts"][0]["question_id"] == "gsm8k/train/0"
+    )
     stats = httpx.get(url + "/stats").json()
     assert stats["dataset"] == "gsm8k" and stats["total_prompts"] == 40
     assert httpx.get(url + "/prompts", params={"batch_size": 0}).status_code == 422
@@ -159,7 +181,10 @@ def test_async_client_walks_batches(servers):
 def test_missing_data_file_is_one_line_and_nonzero_exit(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "services.data_server", "--port", "0", "--datasets", f"gsm8k={tmp_path}/nope"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [f"error: {tmp_path}/nope does not exist"]
@@ -168,9 +193,21 @@ def test_missing_data_file_is_one_line_and_nonzero_exit(tmp_path):
 def test_unreadable_rows_fail_the_load_with_one_clear_line(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "no final line"}\n')
     result = subprocess.run(
-        [sys.executable, "-m", "services.data_server", "--port", "0", "--datasets", f"bad={tmp_path}",
-         "--log-format", "text"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "services.data_server",
+            "--port",
+            "0",
+            "--datasets",
+            f"bad={tmp_path}",
+            "--log-format",
+            "text",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
@@ -180,15 +217,23 @@ def test_unreadable_rows_fail_the_load_with_one_clear_line(tmp_path):
 
 def test_qa_math_and_verl_sources(tmp_path):
     (tmp_path / "qa").mkdir()
-    (tmp_path / "qa" / "test.jsonl").write_text(json.dumps({"id": "q0", "question": "who wrote hamlet", "golden_answers": ["Shakespeare"]}) + "\n")
-    (tmp_path / "math.jsonl").write_text(json.dumps({"problem": "1/2 of 1?", "solution": "It is $\\boxed{\\frac{1}{2}}$."}) + "\n")
+    (tmp_path / "qa" / "test.jsonl").write_text(
+        json.dumps({"id": "q0", "question": "who wrote hamlet", "golden_answers": ["Shakespeare"]}) + "\n"
+    )
+    (tmp_path / "math.jsonl").write_text(
+        json.dumps({"problem": "1/2 of 1?", "solution": "It is $\\boxed{\\frac{1}{2}}$."}) + "\n"
+    )
     settings = DataServerSettings(datasets=[f"nq={tmp_path / 'qa'}", f"math={tmp_path / 'math.jsonl'}"])
     with TestClient(create_app(settings)) as client:
         while client.get("/health").status_code != 200:
             pass
-        qa = client.post("/v1/batches", json={"dataset": "nq", "split": "test", "batch_size": 1}).json()["items"][0]
+        qa = client.post("/v1/batches", json={"dataset": "nq", "split": "test", "batch_size": 1}).json()[
+            "items"
+        ][0]
         assert qa["data_source"] == "nq" and qa["reward_model"]["ground_truth"] == {"target": ["Shakespeare"]}
-        assert "<search>" in qa["prompt"][0]["content"] and qa["prompt"][0]["content"].endswith("who wrote hamlet?\n")
+        assert "<search>" in qa["prompt"][0]["content"] and qa["prompt"][0]["content"].endswith(
+            "who wrote hamlet?\n"
+        )
         math = client.post("/v1/batches", json={"dataset": "math", "batch_size": 1}).json()["items"][0]
         assert math["reward_model"]["ground_truth"] == "\\frac{1}{2}"
         assert math["prompt"][0]["content"].endswith("\\boxed{}.")
@@ -202,24 +247,42 @@ def test_synthetic_problems_are_consistent():
             assert problem.result > 0
             for line in problem.answer.splitlines()[:-1]:  # each worked step's arithmetic is right
                 expr, _, value = line.partition("<<")[2].partition(">>")[0].partition("=")
-                assert eval(expr.replace("/", "//")) == int(value)  # noqa: S307 - our own digits and + - * /
+                assert eval(expr.replace("/", "//")) == int(value)
     assert make_problem(3, "train", 5) == make_problem(3, "train", 5)
     assert make_problem(3, "train", 5) != make_problem(4, "train", 5)
 
 
 def test_export_writes_verls_schema(gsm8k_dir, tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "services.data_server", "export", "gsm8k", "--source", str(gsm8k_dir), "--out", str(tmp_path)],
-        cwd=ROOT, check=True, capture_output=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "services.data_server",
+            "export",
+            "gsm8k",
+            "--source",
+            str(gsm8k_dir),
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     table = pq.read_table(tmp_path / "train.parquet")
     assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
     schema = table.schema
     assert schema.field("data_source").type == pa.string()
-    assert schema.field("prompt").type == pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))
-    assert schema.field("reward_model").type == pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
+    assert schema.field("prompt").type == pa.list_(
+        pa.struct([("content", pa.string()), ("role", pa.string())])
+    )
+    assert schema.field("reward_model").type == pa.struct(
+        [("ground_truth", pa.string()), ("style", pa.string())]
+    )
     assert schema.field("extra_info").type == pa.struct(
-        [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())])
+        [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())]
+    )
     row = table.to_pylist()[3]
     assert row["reward_model"] == {"ground_truth": "1003", "style": "rule"}
     assert row["extra_info"]["index"] == 3 and row["extra_info"]["split"] == "train"
@@ -234,7 +297,9 @@ def test_real_gsm8k_from_shared_data():
             pass
         assert client.get("/v1/datasets").json()["datasets"][0]["splits"] == {"test": 1319, "train": 7473}
         items = client.post("/v1/batches", json={"dataset": "gsm8k", "batch_size": 256}).json()["items"]
-        assert all(item["reward_model"]["ground_truth"].lstrip("-").replace(".", "").isdigit() for item in items)
+        assert all(
+            item["reward_model"]["ground_truth"].lstrip("-").replace(".", "").isdigit() for item in items
+        )
 
 
 def test_sigterm_drains_and_exits_cleanly():

@@ -15,14 +15,48 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.helpers import ROOT, service_process  # noqa: E402
+from tests.helpers import ROOT, service_process
 
-WORDS = (
-    "the a cat dog sat on mat ran far what is two plus three five four it answer I think so maybe no yes "
-    "question please tell me quickly very long response with many words here"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "mat",
+    "ran",
+    "far",
+    "what",
+    "is",
+    "two",
+    "plus",
+    "three",
+    "five",
+    "four",
+    "it",
+    "answer",
+    "I",
+    "think",
+    "so",
+    "maybe",
+    "no",
+    "yes",
+    "question",
+    "please",
+    "tell",
+    "me",
+    "quickly",
+    "very",
+    "long",
+    "response",
+    "with",
+    "many",
+    "words",
+    "here",
+]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> {% endfor %}"
 )

@@ -186,8 +186,13 @@ QA_EM = [
     Case("<answer>Paris</answer> no, <answer>London</answer>", QA, 0.0, "London"),
     Case("<answer>x</answer>" * 10 + "<answer>Paris</answer>", QA, 0.25),  # 11 tags: a quarter
     Case("<answer>x</answer>" * 9 + "<answer>Paris</answer>", QA, 1.0),  # 10 tags: full
-    Case("<think>hmm</think><search>capital of france</search><information>Doc 1: Paris is the capital"
-         "</information><answer>Paris</answer>", QA, 1.0, "Paris"),
+    Case(
+        "<think>hmm</think><search>capital of france</search><information>Doc 1: Paris is the capital"
+        "</information><answer>Paris</answer>",
+        QA,
+        1.0,
+        "Paris",
+    ),
     Case("<answer>Paris</answer>", "Paris", 1.0),  # a plain string ground truth
     Case("<answer>Paris</answer>", ["Lyon", "Paris"], 1.0),  # a plain list
     Case("<answer>London</answer>", QA, 0.1, "London", FS),
@@ -253,14 +258,18 @@ SHAPING = [
     Case("#### 72", "72", 0.5, "72", OVERLONG, {"response_length": 90}),  # 1 - 10/20
     Case("#### 72", "72", 0.0, "72", OVERLONG, {"response_length": 100}),  # 1 - 20/20
     Case("#### 72", "72", 0.0, "72", OVERLONG, {"response_length": 150}),  # clipped at -factor
-    Case("#### 71", "72", -0.25, "71", {**OVERLONG, "overlong_penalty_factor": 0.5},
-         {"response_length": 90}),  # 0 - 0.5 * 10/20
-    Case("#### 72", "72", 0.6, "72", {**OVERLONG, "format_bonus": 0.1},
-         {"response_length": 90}),  # 1 + 0.1 - 0.5
-    Case("#### 72", "72", 1.0, "72", {**OVERLONG, "overlong_buffer_len": 0},
-         {"response_length": 100}),  # no buffer: nothing up to max_len...
-    Case("#### 72", "72", 0.0, "72", {**OVERLONG, "overlong_buffer_len": 0},
-         {"response_length": 101}),  # ...and the full penalty beyond it
+    Case(
+        "#### 71", "72", -0.25, "71", {**OVERLONG, "overlong_penalty_factor": 0.5}, {"response_length": 90}
+    ),  # 0 - 0.5 * 10/20
+    Case(
+        "#### 72", "72", 0.6, "72", {**OVERLONG, "format_bonus": 0.1}, {"response_length": 90}
+    ),  # 1 + 0.1 - 0.5
+    Case(
+        "#### 72", "72", 1.0, "72", {**OVERLONG, "overlong_buffer_len": 0}, {"response_length": 100}
+    ),  # no buffer: nothing up to max_len...
+    Case(
+        "#### 72", "72", 0.0, "72", {**OVERLONG, "overlong_buffer_len": 0}, {"response_length": 101}
+    ),  # ...and the full penalty beyond it
 ]
 
 TABLES = {

@@ -69,13 +69,24 @@ def train_step(model, optimizer, scheduler, ids):
 
 
 def draw_random():
-    return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(), torch.randint(0, 1000, (4,)).tolist())
+    return (
+        random.random(),
+        np.random.rand(3).tolist(),
+        torch.rand(3).tolist(),
+        torch.randint(0, 1000, (4,)).tolist(),
+    )
 
 
 def save(root, step, model, optimizer, scheduler, keep_last=None, **state_fields):
-    return save_checkpoint(root, step, models={"actor": model}, optimizers={"actor": optimizer},
-                           schedulers={"actor": scheduler}, state=TrainState(step=step, **state_fields),
-                           keep_last=keep_last)
+    return save_checkpoint(
+        root,
+        step,
+        models={"actor": model},
+        optimizers={"actor": optimizer},
+        schedulers={"actor": scheduler},
+        state=TrainState(step=step, **state_fields),
+        keep_last=keep_last,
+    )
 
 
 def test_round_trip_restores_weights_moments_scheduler_and_rng(tmp_path):
@@ -84,19 +95,33 @@ def test_round_trip_restores_weights_moments_scheduler_and_rng(tmp_path):
     for _ in range(3):
         train_step(model, optimizer, scheduler, ids)
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
-    path = save(tmp_path, 3, model, optimizer, scheduler, data_cursor="0.24.abc", tracker_run_id="run42",
-                extra={"kl_coef": 0.001})
+    path = save(
+        tmp_path,
+        3,
+        model,
+        optimizer,
+        scheduler,
+        data_cursor="0.24.abc",
+        tracker_run_id="run42",
+        extra={"kl_coef": 0.001},
+    )
     expected_draws = draw_random()
-    train_step(model, optimizer, scheduler, ids)        # the "straight" run continues one more step
+    train_step(model, optimizer, scheduler, ids)  # the "straight" run continues one more step
     expected_params = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    restored, restored_opt, restored_sched = make_trainables(seed=123)   # different init, no optimizer state
+    restored, restored_opt, restored_sched = make_trainables(seed=123)  # different init, no optimizer state
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    state = load_checkpoint(path, models={"actor": restored}, optimizers={"actor": restored_opt},
-                            schedulers={"actor": restored_sched})
+    state = load_checkpoint(
+        path,
+        models={"actor": restored},
+        optimizers={"actor": restored_opt},
+        schedulers={"actor": restored_sched},
+    )
 
-    assert state == TrainState(step=3, data_cursor="0.24.abc", tracker_run_id="run42", extra={"kl_coef": 0.001})
-    assert draw_random() == expected_draws              # next random numbers of every stream are equal
+    assert state == TrainState(
+        step=3, data_cursor="0.24.abc", tracker_run_id="run42", extra={"kl_coef": 0.001}
+    )
+    assert draw_random() == expected_draws  # next random numbers of every stream are equal
     assert restored_sched.last_epoch == 3
     assert restored_opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 4 / 5)
     assert restored.head.weight is restored.embed.weight  # the tie survives loading
@@ -114,14 +139,18 @@ def test_layout_follows_verl_and_tied_weights_are_stored_once(tmp_path):
     assert path == tmp_path / "global_step_7"
     assert (tmp_path / LATEST_FILE).read_text().strip() == "7"
     assert sorted(p.name for p in path.iterdir()) == ["actor", "rng_state.pt", "trainer_state.json"]
-    assert sorted(p.name for p in (path / "actor").iterdir()) == ["model.safetensors", "optimizer.pt", "scheduler.pt"]
+    assert sorted(p.name for p in (path / "actor").iterdir()) == [
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+    ]
     record = json.loads((path / "trainer_state.json").read_text())
     assert record["step"] == 7 and record["tracker_run_id"] == "abc" and record["roles"] == ["actor"]
     with safe_open(str(path / "actor" / "model.safetensors"), framework="pt") as handle:
         keys = set(handle.keys())
         assert json.loads(handle.metadata()["aliases"]) == {"head.weight": "embed.weight"}
     assert "head.weight" not in keys and "embed.weight" in keys and "running_scale" in keys
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temp leftovers
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp leftovers
     assert load_train_state(path).tracker_run_id == "abc"
 
 
@@ -133,15 +162,24 @@ def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
         model.embed.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="disk on fire"):
         # actor's files are written, then the critic blows up half-way through the checkpoint
-        save_checkpoint(tmp_path, 2, models={"actor": model, "critic": Exploding()}, optimizers={"actor": optimizer},
-                        schedulers={}, state=TrainState(step=2), keep_last=None)
+        save_checkpoint(
+            tmp_path,
+            2,
+            models={"actor": model, "critic": Exploding()},
+            optimizers={"actor": optimizer},
+            schedulers={},
+            state=TrainState(step=2),
+            keep_last=None,
+        )
     assert (tmp_path / LATEST_FILE).read_text().strip() == "1"
     assert not (tmp_path / "global_step_2").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", LATEST_FILE]   # temp dir removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", LATEST_FILE]  # temp dir removed
     found = find_resume_checkpoint(tmp_path, "auto", None)
     assert found == tmp_path / "global_step_1"
     fresh, fresh_opt, fresh_sched = make_trainables(seed=9)
-    load_checkpoint(found, models={"actor": fresh}, optimizers={"actor": fresh_opt}, schedulers={"actor": fresh_sched})
+    load_checkpoint(
+        found, models={"actor": fresh}, optimizers={"actor": fresh_opt}, schedulers={"actor": fresh_sched}
+    )
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, saved[name]), name
 
@@ -162,15 +200,22 @@ CRASHING_SAVE = textwrap.dedent("""
                     state=TrainState(step=1, data_cursor="c1"), keep_last=2)
     with torch.no_grad():
         model.weight.add_(1.0)
-    save_checkpoint(root, 2, models={"actor": model, "zz_critic": DiesMidSave()}, optimizers={}, schedulers={},
+    models = {"actor": model, "zz_critic": DiesMidSave()}
+    save_checkpoint(root, 2, models=models, optimizers={}, schedulers={},
                     state=TrainState(step=2, data_cursor="c2"), keep_last=2)
 """)
 
 
 def test_hard_crash_mid_save_is_never_picked_up(tmp_path):
     """A process killed while writing step 2 leaves a temp dir; resume still finds step 1."""
-    result = subprocess.run([sys.executable, "-c", CRASHING_SAVE, str(tmp_path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", CRASHING_SAVE, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 17, result.stderr
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-global_step_2")]
     assert len(leftovers) == 1 and (leftovers[0] / "actor" / "model.safetensors").is_file()  # really mid-save
@@ -182,8 +227,15 @@ def test_hard_crash_mid_save_is_never_picked_up(tmp_path):
     torch.manual_seed(0)
     assert state.data_cursor == "c1" and torch.equal(model.weight, nn.Linear(4, 3).weight)
     # the next save of step 2 succeeds and sweeps the crashed attempt away
-    save_checkpoint(tmp_path, 2, models={"actor": model}, optimizers={}, schedulers={},
-                    state=TrainState(step=2), keep_last=2)
+    save_checkpoint(
+        tmp_path,
+        2,
+        models={"actor": model},
+        optimizers={},
+        schedulers={},
+        state=TrainState(step=2),
+        keep_last=2,
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_2", LATEST_FILE]
 
 
@@ -212,7 +264,7 @@ def test_resaving_the_same_step_replaces_it(tmp_path):
 
 def test_resume_modes(tmp_path):
     root = tmp_path / "ckpt"
-    assert find_resume_checkpoint(root, "auto", None) is None            # nothing yet: fresh start
+    assert find_resume_checkpoint(root, "auto", None) is None  # nothing yet: fresh start
     model, optimizer, scheduler = make_trainables(seed=0)
     save(root, 1, model, optimizer, scheduler)
     save(root, 2, model, optimizer, scheduler)
@@ -225,7 +277,7 @@ def test_resume_modes(tmp_path):
         find_resume_checkpoint(root, "resume_path", str(missing))
     with pytest.raises(CheckpointError, match="resume_from_path"):
         find_resume_checkpoint(root, "resume_path", None)
-    (root / "global_step_5").mkdir()                                      # a directory without trainer_state.json
+    (root / "global_step_5").mkdir()  # a directory without trainer_state.json
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         find_resume_checkpoint(root, "resume_path", str(root / "global_step_5"))
     with pytest.raises(ValueError, match="resume_mode"):
@@ -237,9 +289,11 @@ def test_latest_file_is_the_authority(tmp_path):
     model, optimizer, scheduler = make_trainables(seed=0)
     save(tmp_path, 1, model, optimizer, scheduler)
     save(tmp_path, 2, model, optimizer, scheduler)
-    (tmp_path / LATEST_FILE).write_text("1\n")   # as if the process died between the rename and the latest update
+    (tmp_path / LATEST_FILE).write_text(
+        "1\n"
+    )  # as if the process died between the rename and the latest update
     assert find_resume_checkpoint(tmp_path, "auto", None) == tmp_path / "global_step_1"
-    shutil.rmtree(tmp_path / "global_step_1")      # latest names a directory that is gone: newest complete one
+    shutil.rmtree(tmp_path / "global_step_1")  # latest names a directory that is gone: newest complete one
     assert find_resume_checkpoint(tmp_path, "auto", None) == tmp_path / "global_step_2"
 
 
@@ -249,8 +303,15 @@ def test_role_mismatches_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="'critic'"):
         load_checkpoint(path, models={"critic": TiedLM()}, optimizers={}, schedulers={})
     with pytest.raises(ValueError, match=r"\['critic'\] have no model"):
-        save_checkpoint(tmp_path, 2, models={"actor": model}, optimizers={"critic": optimizer}, schedulers={},
-                        state=TrainState(step=2), keep_last=None)
+        save_checkpoint(
+            tmp_path,
+            2,
+            models={"actor": model},
+            optimizers={"critic": optimizer},
+            schedulers={},
+            state=TrainState(step=2),
+            keep_last=None,
+        )
     assert not (tmp_path / "global_step_2").exists()
 
 
@@ -267,8 +328,12 @@ def test_cuda_model_optimizer_and_cuda_rng_round_trip(tmp_path):
 
     restored, restored_opt, restored_sched = make_trainables(seed=1, device="cuda")
     torch.cuda.manual_seed_all(77)
-    load_checkpoint(path, models={"actor": restored}, optimizers={"actor": restored_opt},
-                    schedulers={"actor": restored_sched})
+    load_checkpoint(
+        path,
+        models={"actor": restored},
+        optimizers={"actor": restored_opt},
+        schedulers={"actor": restored_sched},
+    )
     assert torch.rand(5, device=device).tolist() == expected_cuda_draw
     assert restored.head.weight is restored.embed.weight
     assert next(iter(restored_opt.state.values()))["exp_avg"].device.type == "cuda"

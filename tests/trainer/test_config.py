@@ -1,4 +1,6 @@
-"""trainer.config / trainer.main_ppo: verl's commands parse as written, bad input is refused with a clear line."""
+"""trainer.config / trainer.main_ppo: verl's commands parse as written, bad input is refused with a clear
+line.
+"""
 
 import json
 import os
@@ -97,7 +99,9 @@ SMALL = {
     PPO_QUICKSTART: {
         "data.train_batch_size=256": "data.train_batch_size=16",
         "data.max_response_length=512": "data.max_response_length=32",
-        "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct": "actor_rollout_ref.model.path=$HOME/models/tiny",
+        "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct": (
+            "actor_rollout_ref.model.path=$HOME/models/tiny"
+        ),
         "critic.model.path=Qwen/Qwen2.5-0.5B-Instruct": "critic.model.path=$HOME/models/tiny",
         "actor_rollout_ref.actor.ppo_mini_batch_size=64": "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "trainer.total_epochs=15": "trainer.total_epochs=1",
@@ -124,7 +128,9 @@ def small(command: str) -> str:
 
 
 def argv_of(command: str) -> list[str]:
-    """What bash would pass to main_ppo: continuation lines joined, $HOME expanded, the pipe and $@ dropped."""
+    """What bash would pass to main_ppo: continuation lines joined, $HOME expanded, the pipe and $@
+    dropped.
+    """
     words = shlex.split(os.path.expandvars(command.replace("\\\n", " ").split("2>&1")[0]))
     return [w for w in words[words.index("verl.trainer.main_ppo") + 1 :] if w != "$@"]
 
@@ -133,7 +139,9 @@ def argv_of(command: str) -> list[str]:
 def home(tmp_path, monkeypatch):
     """$HOME with ~/data/gsm8k/{train,test}.parquet (verl rows) and ~/models/tiny (a local model folder)."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    rows = [gsm8k_row(f"What is {i} + 1?", f"{i}+1=<<{i}+1={i + 1}>>\n#### {i + 1}", "train", i) for i in range(4)]
+    rows = [
+        gsm8k_row(f"What is {i} + 1?", f"{i}+1=<<{i}+1={i + 1}>>\n#### {i + 1}", "train", i) for i in range(4)
+    ]
     for split in ("train", "test"):
         write_verl_parquet(rows, tmp_path / "data" / "gsm8k" / f"{split}.parquet")
     model = tmp_path / "models" / "tiny"
@@ -157,11 +165,16 @@ def test_ppo_quickstart_small(home):
     assert not config.use_reference  # no KL loss, no KL in reward
     assert arr.model.path == critic.model.path == str(home / "models/tiny")
     assert arr.actor.optim.lr == 1e-6 and critic.optim.lr == 1e-5
-    assert (config.data.train_batch_size, arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu) == (
-        16, 8, 4)
+    assert (
+        config.data.train_batch_size,
+        arr.actor.ppo_mini_batch_size,
+        arr.actor.ppo_micro_batch_size_per_gpu,
+    ) == (16, 8, 4)
     assert critic.ppo_mini_batch_size == 8  # inherited from the actor, as verl does
     assert critic.ppo_micro_batch_size_per_gpu == 4 and critic.ppo_epochs == 1
-    assert arr.rollout.log_prob_micro_batch_size_per_gpu == 8 and arr.ref.log_prob_micro_batch_size_per_gpu == 4
+    assert (
+        arr.rollout.log_prob_micro_batch_size_per_gpu == 8 and arr.ref.log_prob_micro_batch_size_per_gpu == 4
+    )
     assert arr.rollout.response_length == 32 and arr.rollout.prompt_length == 512
     assert config.algorithm.kl_ctrl.kl_coef == 0.001
     assert config.trainer.logger == ["console"]  # a bare word becomes a one-item list
@@ -174,7 +187,9 @@ def test_grpo_qwen3_small(home):
     config = load_config(argv_of(small(GRPO_QWEN3)))
     arr = config.actor_rollout_ref
     assert config.algorithm.adv_estimator == "grpo" and not config.use_critic and config.use_reference
-    assert arr.actor.use_kl_loss and arr.actor.kl_loss_type == "low_var_kl" and arr.actor.kl_loss_coef == 0.001
+    assert (
+        arr.actor.use_kl_loss and arr.actor.kl_loss_type == "low_var_kl" and arr.actor.kl_loss_coef == 0.001
+    )
     assert arr.rollout.n == 5 and arr.actor.entropy_coeff == 0
     assert config.data.filter_overlong_prompts is True and config.data.truncation == "error"
     assert config.trainer.logger == ["console", "wandb"]
@@ -187,8 +202,15 @@ def test_grpo_qwen3_small(home):
 def test_main_ppo_dry_run_prints_resolved_config(home):
     argv = argv_of(small(GRPO_QWEN3)) + ["--dry-run"]
     env = {**os.environ, "HOME": str(home)}
-    done = subprocess.run([sys.executable, "-m", "trainer.main_ppo", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.main_ppo", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "adv_estimator: grpo" in done.stdout
     assert "default_local_dir: checkpoints/verl_grpo_example_gsm8k/qwen3_8b_function_rm" in done.stdout
@@ -198,23 +220,42 @@ def test_main_ppo_dry_run_prints_resolved_config(home):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["actor_rollout_ref.actor.ppo_mini_batchsize=4"],
-         ("unknown key 'actor_rollout_ref.actor.ppo_mini_batchsize'; "
-          "did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'?")),
+        (
+            ["actor_rollout_ref.actor.ppo_mini_batchsize=4"],
+            (
+                "unknown key 'actor_rollout_ref.actor.ppo_mini_batchsize'; "
+                "did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'?"
+            ),
+        ),
         (["trainer.loger=console"], "did you mean 'trainer.logger'?"),
         (["data.train_batch_size=many"], "data.train_batch_size: Input should be a valid integer"),
         (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: Input should be 'gae', 'grpo'"),
         (["trainer.logger=[console,mlflow]"], "trainer.logger[1]: Input should be 'console'"),
-        (["actor_rollout_ref.actor.clip_ratio_low=1.5"], "actor_rollout_ref.actor.clip_ratio_low: Input should be less than 1"),
+        (
+            ["actor_rollout_ref.actor.clip_ratio_low=1.5"],
+            "actor_rollout_ref.actor.clip_ratio_low: Input should be less than 1",
+        ),
         (["actor_rollout_ref.actor.clip_ratio_c=0.5"], "clip_ratio_c: Input should be greater than 1"),
         (["actor_rollout_ref.actor=3"], "'actor_rollout_ref.actor' is a section, not a value"),
         (["data.train_batch_size"], "expected key=value, got 'data.train_batch_size'"),
         (["data.train_files=/nope/train.parquet"], "data.train_files: /nope/train.parquet does not exist"),
-        (["actor_rollout_ref.model.path=/nope/model"], "actor_rollout_ref.model.path: /nope/model does not exist"),
+        (
+            ["actor_rollout_ref.model.path=/nope/model"],
+            "actor_rollout_ref.model.path: /nope/model does not exist",
+        ),
         (["actor_rollout_ref.model.lora_rank=8"], "actor_rollout_ref.model.lora_rank: not supported"),
-        (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
-        (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable needs actor_rollout_ref.rollout.n >= 2"),
-        (["trainer.default_local_dir=ckpt/${trainer.nope}"], "trainer.default_local_dir: '${trainer.nope}' names no"),
+        (
+            ["trainer.resume_mode=resume_path"],
+            "trainer.resume_mode=resume_path needs trainer.resume_from_path",
+        ),
+        (
+            ["algorithm.filter_groups.enable=true"],
+            "algorithm.filter_groups.enable needs actor_rollout_ref.rollout.n >= 2",
+        ),
+        (
+            ["trainer.default_local_dir=ckpt/${trainer.nope}"],
+            "trainer.default_local_dir: '${trainer.nope}' names no",
+        ),
     ],
 )
 def test_bad_input_names_the_key(argv, needle):
@@ -227,26 +268,64 @@ def test_bad_input_names_the_key(argv, needle):
     "overrides, needle",
     [
         # 12 prompts * n=1 over 8 GPUs
-        (["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=8"],
-         "data.train_batch_size * actor_rollout_ref.rollout.n = 12 responses per step must split evenly over 8 GPU(s)"),
-        (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
-         "actor_rollout_ref.actor.ppo_mini_batch_size (16) is larger than data.train_batch_size (8)"),
-        (["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
-         "data.train_batch_size (12) must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size (8)"),
+        (
+            [
+                "data.train_batch_size=12",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "trainer.n_gpus_per_node=8",
+            ],
+            "data.train_batch_size * actor_rollout_ref.rollout.n = 12 responses per step must split "
+            "evenly over 8 GPU(s)",
+        ),
+        (
+            ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+            "actor_rollout_ref.actor.ppo_mini_batch_size (16) is larger than data.train_batch_size (8)",
+        ),
+        (
+            ["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+            "data.train_batch_size (12) must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size (8)",
+        ),
         # mini 4 prompts * n 3 = 12 sequences on 1 GPU; micro 5 does not divide 12
-        (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=3",
-          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
-         "= 12 sequences per GPU must be divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (5)"),
+        (
+            [
+                "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.rollout.n=3",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
+            ],
+            "= 12 sequences per GPU must be divisible by "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (5)",
+        ),
         # the critic's own mini-batch: 8 prompts per step, critic mini-batch 3
-        (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=3"],
-         "data.train_batch_size (8) must be divisible by critic.ppo_mini_batch_size (3)"),
-        (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-          "actor_rollout_ref.actor.ppo_micro_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
-         ("set only one of actor_rollout_ref.actor.ppo_micro_batch_size (deprecated, global) and "
-          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")),
-        (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=2",
-          "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
-         "actor_rollout_ref.rollout.tensor_model_parallel_size (4) must divide the 2 GPU(s)"),
+        (
+            [
+                "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "critic.ppo_mini_batch_size=3",
+            ],
+            "data.train_batch_size (8) must be divisible by critic.ppo_mini_batch_size (3)",
+        ),
+        (
+            [
+                "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            ],
+            (
+                "set only one of actor_rollout_ref.actor.ppo_micro_batch_size (deprecated, global) and "
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+            ),
+        ),
+        (
+            [
+                "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            ],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size (4) must divide the 2 GPU(s)",
+        ),
     ],
 )
 def test_batch_size_divisibility(overrides, needle):
@@ -262,18 +341,28 @@ def test_every_problem_is_reported_at_once():
 
 
 def test_derived_values_follow_verl():
-    config = load_config([
-        "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4",
-        "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size=4",  # deprecated, global
-        "actor_rollout_ref.actor.clip_ratio=0.25", "actor_rollout_ref.actor.clip_ratio_high=0.28",
-        "actor_rollout_ref.actor.optim.warmup_style=cosine", "trainer.project_name=p", "trainer.experiment_name=007",
-        "algorithm.adv_estimator=grpo",
-    ])
+    config = load_config(
+        [
+            "data.train_batch_size=32",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.rollout.n=4",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=4",  # deprecated, global
+            "actor_rollout_ref.actor.clip_ratio=0.25",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "actor_rollout_ref.actor.optim.warmup_style=cosine",
+            "trainer.project_name=p",
+            "trainer.experiment_name=007",
+            "algorithm.adv_estimator=grpo",
+        ]
+    )
     actor = config.actor_rollout_ref.actor
     assert actor.ppo_micro_batch_size_per_gpu == 2 and actor.ppo_micro_batch_size is None  # 4 global / 2 GPUs
     assert actor.clip_ratio_low == 0.25 and actor.clip_ratio_high == 0.28  # DAPO clip-higher
     assert actor.optim.lr_scheduler_type == "cosine"
-    assert config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 2  # falls back to the actor's
+    assert (
+        config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 2
+    )  # falls back to the actor's
     assert config.trainer.experiment_name == "007"  # text stays text
     assert config.trainer.default_local_dir == "checkpoints/p/007"
     assert config.data.gen_batch_size == 32 and config.data.seed == config.trainer.seed == 1
@@ -294,8 +383,15 @@ def test_yaml_file_then_overrides(tmp_path):
         "critic:\n  _target_: verl.workers.config.FSDPCriticConfig\n"  # verl's yaml noise is tolerated
         "  ppo_epochs: ${actor_rollout_ref.actor.ppo_epochs}\n"  # a typed reference
     )
-    config = load_config(["--config", str(run), "actor_rollout_ref.rollout.n=2", "+trainer.experiment_name=cli",
-                          "actor_rollout_ref.actor.ppo_epochs=3"])
+    config = load_config(
+        [
+            "--config",
+            str(run),
+            "actor_rollout_ref.rollout.n=2",
+            "+trainer.experiment_name=cli",
+            "actor_rollout_ref.actor.ppo_epochs=3",
+        ]
+    )
     assert config.critic.ppo_epochs == 3
     assert config.algorithm.adv_estimator == "rloo"
     assert config.actor_rollout_ref.rollout.n == 2 and config.actor_rollout_ref.rollout.temperature == 0.7
@@ -316,8 +412,12 @@ def test_values_parse_like_hydra():
     assert parse_value("[]") == [] and parse_value("{a: 1, b: [x,'y,z']}") == {"a": 1, "b": ["x", "y,z"]}
     assert parse_value("'0123'") == "0123" and parse_value("~/data/x.parquet") == "~/data/x.parquet"
     # open mappings get typed values, like verl's `+data.apply_chat_template_kwargs.enable_thinking=False`
-    config = load_config(["+data.apply_chat_template_kwargs.enable_thinking=False",
-                          "actor_rollout_ref.model.override_config={attention_dropout: 0.0}"])
+    config = load_config(
+        [
+            "+data.apply_chat_template_kwargs.enable_thinking=False",
+            "actor_rollout_ref.model.override_config={attention_dropout: 0.0}",
+        ]
+    )
     assert config.data.apply_chat_template_kwargs == {"enable_thinking": False}
     assert config.actor_rollout_ref.model.override_config == {"attention_dropout": 0.0}
 
@@ -334,18 +434,36 @@ def test_services_urls_come_from_env(monkeypatch):
 
 def test_main_ppo_errors_are_one_line_each_exit_2():
     done = subprocess.run(
-        [sys.executable, "-m", "trainer.main_ppo", "actor_rollout_ref.actor.ppo_mini_batchsize=4", "trainer.nnodes=0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "trainer.main_ppo",
+            "actor_rollout_ref.actor.ppo_mini_batchsize=4",
+            "trainer.nnodes=0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 2 and done.stdout == ""
     assert "Traceback" not in done.stderr
     lines = done.stderr.splitlines()
-    assert lines[0] == ("error: unknown key 'actor_rollout_ref.actor.ppo_mini_batchsize'; "
-                        "did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'?")
+    assert lines[0] == (
+        "error: unknown key 'actor_rollout_ref.actor.ppo_mini_batchsize'; "
+        "did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'?"
+    )
     assert lines[1] == "error: trainer.nnodes: Input should be greater than or equal to 1 (got '0')"
     assert lines[2].startswith("(python -m trainer.main_ppo --help") and len(lines) == 3
-    helped = subprocess.run([sys.executable, "-m", "trainer.main_ppo", "--help"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60, check=False)
+    helped = subprocess.run(
+        [sys.executable, "-m", "trainer.main_ppo", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert helped.returncode == 0 and "python -m trainer.config --markdown" in helped.stdout
 
 
@@ -357,7 +475,9 @@ def test_imports_without_torch():
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "print(config.algorithm.adv_estimator)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "grpo"
 
@@ -366,14 +486,28 @@ def test_reference_markdown_covers_every_key():
     markdown = config_reference_markdown()
     leaves = [k for k in config_keys() if f"`{k}`" in markdown]
     sections = {k.rpartition(".")[0] for k in config_keys() if "." in k}
-    assert set(leaves) | sections >= set(config_keys()) - {"data", "actor_rollout_ref", "critic", "reward_model",
-                                                          "custom_reward_function", "algorithm", "trainer", "services"}
+    assert set(leaves) | sections >= set(config_keys()) - {
+        "data",
+        "actor_rollout_ref",
+        "critic",
+        "reward_model",
+        "custom_reward_function",
+        "algorithm",
+        "trainer",
+        "services",
+    }
     assert "| `critic.optim.lr` | float | 1e-05 |" in markdown  # the critic's own default, not the actor's
     assert "| `actor_rollout_ref.rollout.prompt_length` | int or null | null |" in markdown
     assert "`$DATA_SERVER_URL`, else `http://127.0.0.1:8000`" in markdown
     assert "ignored (single process, no FSDP yet)" in markdown
-    done = subprocess.run([sys.executable, "-m", "trainer.config", "--markdown"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.config", "--markdown"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0 and done.stdout == markdown
 
 
@@ -383,21 +517,32 @@ def test_model_paths(tmp_path, monkeypatch):
     (tmp_path / "m" / "config.json").write_text("{}")
     (tmp_path / "empty").mkdir()
     (tmp_path / "small.gguf").write_bytes(b"GGUF")
-    assert load_config(["actor_rollout_ref.model.path=~/m"]).actor_rollout_ref.model.path == str(tmp_path / "m")
+    assert load_config(["actor_rollout_ref.model.path=~/m"]).actor_rollout_ref.model.path == str(
+        tmp_path / "m"
+    )
     assert load_config([f"actor_rollout_ref.model.path={tmp_path / 'small.gguf'}"])
-    assert load_config(["actor_rollout_ref.model.path=unsloth/Qwen3-0.6B-GGUF/Qwen3-0.6B-Q4_K_M.gguf"])  # hub GGUF
+    assert load_config(
+        ["actor_rollout_ref.model.path=unsloth/Qwen3-0.6B-GGUF/Qwen3-0.6B-Q4_K_M.gguf"]
+    )  # hub GGUF
     assert load_config(["actor_rollout_ref.model.path=gpt2"])  # a bare hub name
-    for path, needle in [("~/empty", "holds neither config.json nor a .gguf file"),
-                         ("./missing.gguf", "./missing.gguf does not exist"),
-                         ("a/b/c", "a/b/c does not exist")]:
+    for path, needle in [
+        ("~/empty", "holds neither config.json nor a .gguf file"),
+        ("./missing.gguf", "./missing.gguf does not exist"),
+        ("a/b/c", "a/b/c does not exist"),
+    ]:
         with pytest.raises(ConfigError, match=needle):
             load_config([f"actor_rollout_ref.model.path={path}"])
 
 
 @pytest.mark.parametrize("name", ["grpo_gsm8k", "ppo_gsm8k", "dapo_gsm8k", "tiny_cpu"])
 def test_example_configs_load(home, name):
-    config = load_config(["--config", str(ROOT / "trainer" / "configs" / f"{name}.yaml"),
-                          "actor_rollout_ref.model.path=~/models/tiny"])
+    config = load_config(
+        [
+            "--config",
+            str(ROOT / "trainer" / "configs" / f"{name}.yaml"),
+            "actor_rollout_ref.model.path=~/models/tiny",
+        ]
+    )
     expected = {"grpo_gsm8k": "grpo", "ppo_gsm8k": "gae", "dapo_gsm8k": "grpo", "tiny_cpu": "grpo"}[name]
     assert config.algorithm.adv_estimator == expected
     assert config.use_critic == (name == "ppo_gsm8k")

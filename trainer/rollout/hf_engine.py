@@ -4,12 +4,13 @@ Its own decoding loop rather than `model.generate`, so that it controls exactly 
 the logprob of each sampled token under log_softmax(logits / temperature) (see rollout/base.py), stops
 on token ids and on stop strings, and the finish reason of each response.
 
-Prompts are left-padded into one batch (position ids count real tokens only, as the trainer's
-teacher-forced forward does), each distinct prompt is run once to fill the cache (its n samples share
-that prefill), then one token per step for every unfinished row. A response ends right after the token that is a stop token id (eos and im_end by
-default) or that completes a stop string; that token is kept and trained on, so the policy learns
-to stop. Rows that finished keep being fed padding until the whole batch is done; it is simple and
-correct, and the fast engine of a later issue does continuous batching instead.
+Prompts are left-padded into one batch (position ids count real tokens only, as the trainer's teacher-
+forced forward does), each distinct prompt is run once to fill the cache (its n samples share that
+prefill), then one token per step for every unfinished row. A response ends right after the token that
+is a stop token id (eos and im_end by default) or that completes a stop string; that token is kept and
+trained on, so the policy learns to stop. Rows that finished keep being fed padding until the whole
+batch is done; it is simple and correct, and the fast engine of a later issue does continuous batching
+instead.
 
 Colocated use: the engine can share the policy's module, so `load_weights(policy_model)` is a no-op
 (it samples from the live parameters); given another module or a state dict it copies the weights.
@@ -37,8 +38,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Ten
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, width - len(prompt):] = 1
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
     return input_ids.to(device), attention_mask.to(device)
 
 
@@ -96,7 +97,9 @@ def sample_next_token(
 
 
 def default_eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The tokenizer's eos plus the generation config's eos ids (Qwen-Instruct: <|im_end|> and <|endoftext|>)."""
+    """The tokenizer's eos plus the generation config's eos ids (Qwen-Instruct: <|im_end|> and
+    <|endoftext|>).
+    """
     ids = [tokenizer.eos_token_id]
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids += configured if isinstance(configured, (list, tuple)) else [configured]
@@ -107,8 +110,12 @@ class HFRolloutEngine:
     """Built-in engine on a transformers causal LM (CPU or one GPU)."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-        autocast_dtype: torch.dtype | None = None, max_batch_size: int | None = None,
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        max_batch_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         """max_batch_size: sequences decoded together (None = all); bounds the KV cache's memory."""
@@ -117,7 +124,9 @@ class HFRolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.autocast_dtype = autocast_dtype
         self.max_batch_size = max_batch_size
-        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model, tokenizer)
+        self.eos_token_ids = (
+            tuple(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model, tokenizer)
+        )
         parameters = inspect.signature(model.forward).parameters
         # transformers 5 renamed past_key_values to cache; logits_to_keep avoids [B, P, V] prefill logits
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
@@ -139,7 +148,7 @@ class HFRolloutEngine:
         try:
             rollouts: list[Rollout] = []
             for start in range(0, len(rows), chunk):
-                rollouts += self._generate_rows(rows[start:start + chunk], sampling, generator)
+                rollouts += self._generate_rows(rows[start : start + chunk], sampling, generator)
             return rollouts
         finally:
             self.model.train(was_training)
@@ -157,8 +166,13 @@ class HFRolloutEngine:
         if self._keeps_last_logits:
             kwargs["logits_to_keep"] = 1
         with autocast(self.device, self.autocast_dtype):
-            output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=True, **kwargs)
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **kwargs,
+            )
         return output.logits[:, -1].float()
 
     @torch.no_grad()
@@ -180,7 +194,11 @@ class HFRolloutEngine:
         if len(unique) < len(rows):
             expand = expand.to(device)
             cache.batch_select_indices(expand)
-            logits, attention_mask, position_ids = logits[expand], attention_mask[expand], position_ids[expand]
+            logits, attention_mask, position_ids = (
+                logits[expand],
+                attention_mask[expand],
+                position_ids[expand],
+            )
         for step in range(sampling.max_new_tokens):
             token, logprob = sample_next_token(logits, sampling, generator)
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
@@ -197,9 +215,13 @@ class HFRolloutEngine:
             position_ids = position_ids[:, -1:] + 1
             logits = self._forward(token[:, None], attention_mask, position_ids, cache)
         del cache
-        return self._to_rollouts(rows, torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), lengths, finished)
+        return self._to_rollouts(
+            rows, torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), lengths, finished
+        )
 
-    def _completes_stop_string(self, tokens: list[Tensor], candidates: Tensor, stop: tuple[str, ...]) -> Tensor:
+    def _completes_stop_string(
+        self, tokens: list[Tensor], candidates: Tensor, stop: tuple[str, ...]
+    ) -> Tensor:
         """True for candidate rows whose newest token completes a stop string.
 
         Each token is at least one byte, so a window of (longest stop in bytes + 1) tokens holds any
@@ -217,23 +239,34 @@ class HFRolloutEngine:
         return hits
 
     @staticmethod
-    def _to_rollouts(rows, tokens: Tensor, logprobs: Tensor, lengths: Tensor, stopped: Tensor) -> list[Rollout]:
+    def _to_rollouts(
+        rows, tokens: Tensor, logprobs: Tensor, lengths: Tensor, stopped: Tensor
+    ) -> list[Rollout]:
         rollouts = []
         for (prompt_index, prompt), row_tokens, row_logprobs, length, row_stopped in zip(
             rows, tokens.tolist(), logprobs.float().tolist(), lengths.tolist(), stopped.tolist()
         ):
-            rollouts.append(Rollout(
-                prompt_ids=list(prompt), response_ids=row_tokens[:length], logprobs=row_logprobs[:length],
-                loss_mask=[1] * length, finish_reason="stop" if row_stopped else "length",
-                prompt_index=prompt_index,
-            ))
+            rollouts.append(
+                Rollout(
+                    prompt_ids=list(prompt),
+                    response_ids=row_tokens[:length],
+                    logprobs=row_logprobs[:length],
+                    loss_mask=[1] * length,
+                    finish_reason="stop" if row_stopped else "length",
+                    prompt_index=prompt_index,
+                )
+            )
         return rollouts
 
     def load_weights(self, state_dict_or_model: nn.Module | dict[str, Tensor]) -> None:
         """Colocated (the same module as the policy): nothing to do. Otherwise copy the weights in."""
         if state_dict_or_model is self.model:
             return
-        state = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
+        state = (
+            state_dict_or_model.state_dict()
+            if isinstance(state_dict_or_model, nn.Module)
+            else state_dict_or_model
+        )
         self.model.load_state_dict(state)
 
     def release_memory(self) -> None:

@@ -52,8 +52,9 @@ class ResponseLogprobs:
     entropy: Tensor | None  # [B, T] entropy of the temperature-scaled distribution, 0 on padding
 
 
-def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float,
-                    with_entropy: bool) -> tuple[Tensor, Tensor]:
+def _chunk_logprobs(
+    hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor]:
     """hidden [N, H], targets [N] -> (logprob [N], entropy [N]) in fp32."""
     logits = head(hidden).float() / temperature
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -62,7 +63,11 @@ def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temp
 
 
 def response_logprobs(
-    model: PreTrainedModel, batch: TrainBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+    model: PreTrainedModel,
+    batch: TrainBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
     chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
 ) -> ResponseLogprobs:
     """Logprobs (and entropy) of the batch's response tokens under `model`, computed chunk by chunk.
@@ -72,17 +77,26 @@ def response_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute logprobs, got {temperature}")
     backbone, head = backbone_and_head(model)
-    hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                      position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    hidden = backbone(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).last_hidden_state
     prompt_width, response_width = batch.prompt_width, batch.response_width
     # position P-1+t predicts response token t
-    predicting = hidden[:, prompt_width - 1:prompt_width - 1 + response_width]
+    predicting = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width]
     real = batch.attention_mask[:, prompt_width:].bool()  # real response tokens (loss-masked or not)
     hidden_rows, targets = predicting[real], batch.responses[real]
     logprob_parts, entropy_parts = [], []
     for start in range(0, targets.shape[0], chunk_size):
-        args = (hidden_rows[start:start + chunk_size], targets[start:start + chunk_size], head, temperature,
-                with_entropy)
+        args = (
+            hidden_rows[start : start + chunk_size],
+            targets[start : start + chunk_size],
+            head,
+            temperature,
+            with_entropy,
+        )
         if torch.is_grad_enabled():
             logprob, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -111,22 +125,31 @@ def pad_response_columns(parts: list[Tensor], width: int) -> Tensor:
 
 @torch.no_grad()
 def batched_response_logprobs(
-    model: PreTrainedModel, batch: TrainBatch, micro_batch_size: int, *, temperature: float,
-    with_entropy: bool, autocast_dtype: torch.dtype | None, chunk_size: int,
+    model: PreTrainedModel,
+    batch: TrainBatch,
+    micro_batch_size: int,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    autocast_dtype: torch.dtype | None,
+    chunk_size: int,
 ) -> ResponseLogprobs:
     """response_logprobs over the whole batch, micro-batch by micro-batch, without gradients."""
     device = next(model.parameters()).device
     logprob_parts, entropy_parts = [], []
     for micro in micro_batches(batch, micro_batch_size, device):
         with autocast(device, autocast_dtype):
-            out = response_logprobs(model, micro, temperature=temperature, with_entropy=with_entropy,
-                                    chunk_size=chunk_size)
+            out = response_logprobs(
+                model, micro, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size
+            )
         logprob_parts.append(out.logprobs)
         entropy_parts.append(out.entropy)
     width = batch.response_width
     return ResponseLogprobs(
         logprobs=pad_response_columns(logprob_parts, width).to(batch.response_mask.device),
-        entropy=pad_response_columns(entropy_parts, width).to(batch.response_mask.device) if with_entropy else None,
+        entropy=pad_response_columns(entropy_parts, width).to(batch.response_mask.device)
+        if with_entropy
+        else None,
     )
 
 
@@ -151,7 +174,9 @@ class OptimizerSettings:
     eps: float = 1e-8  # AdamW's epsilon; no verl key sets it
 
 
-def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+def lr_multiplier(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
+) -> float:
     """The LR factor for training step `step` (0-based).
 
     Linear warmup reaches the full LR at step warmup_steps - 1 (verl starts at 0, wasting a step);
@@ -171,11 +196,21 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings):
         raise ValueError(f"unknown LR schedule {settings.schedule!r}; expected 'constant' or 'cosine'")
     parameters = [p for p in model.parameters() if p.requires_grad]
     fused = parameters[0].device.type == "cuda"
-    optimizer = torch.optim.AdamW(parameters, lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                                  weight_decay=settings.weight_decay, fused=fused or None)
-    multiplier = functools.partial(lr_multiplier, warmup_steps=settings.warmup_steps,
-                                   total_steps=settings.total_steps, schedule=settings.schedule,
-                                   min_lr_ratio=settings.min_lr_ratio)
+    optimizer = torch.optim.AdamW(
+        parameters,
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        fused=fused or None,
+    )
+    multiplier = functools.partial(
+        lr_multiplier,
+        warmup_steps=settings.warmup_steps,
+        total_steps=settings.total_steps,
+        schedule=settings.schedule,
+        min_lr_ratio=settings.min_lr_ratio,
+    )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
@@ -207,7 +242,11 @@ class MetricAccumulator:
 
 
 def run_mini_batches(
-    batch: TrainBatch, *, mini_batch_size: int, ppo_epochs: int, train_mini_batch: Callable[[TrainBatch], dict],
+    batch: TrainBatch,
+    *,
+    mini_batch_size: int,
+    ppo_epochs: int,
+    train_mini_batch: Callable[[TrainBatch], dict],
 ) -> dict[str, float]:
     """ppo_epochs passes over the batch's consecutive mini-batches; the metrics' means."""
     if mini_batch_size < 1 or ppo_epochs < 1:
@@ -249,8 +288,14 @@ class PolicyLossSettings:
 class Policy:
     """The trainable policy: model, AdamW, LR schedule; logprobs and the PPO update."""
 
-    def __init__(self, model: PreTrainedModel, optim: OptimizerSettings, *,
-                 autocast_dtype: torch.dtype | None = None, logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        optim: OptimizerSettings,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
+    ) -> None:
         self.model = model
         self.optim = optim
         self.autocast_dtype = autocast_dtype
@@ -261,55 +306,93 @@ class Policy:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int, *, temperature: float = 1.0,
-                         with_entropy: bool = False) -> ResponseLogprobs:
+    def compute_logprobs(
+        self,
+        batch: TrainBatch,
+        micro_batch_size: int,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> ResponseLogprobs:
         return batched_response_logprobs(
-            self.model, batch, micro_batch_size, temperature=temperature, with_entropy=with_entropy,
-            autocast_dtype=self.autocast_dtype, chunk_size=self.logits_chunk_size)
+            self.model,
+            batch,
+            micro_batch_size,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            autocast_dtype=self.autocast_dtype,
+            chunk_size=self.logits_chunk_size,
+        )
 
-    def update(self, batch: TrainBatch, *, mini_batch_size: int, micro_batch_size: int, ppo_epochs: int,
-               loss: PolicyLossSettings, temperature: float = 1.0) -> dict[str, float]:
+    def update(
+        self,
+        batch: TrainBatch,
+        *,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        ppo_epochs: int,
+        loss: PolicyLossSettings,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
         """PPO epochs over mini-batches; one LR-schedule step. Returns verl's actor/* metrics.
 
         Sizes count sequences: mini_batch_size = verl's ppo_mini_batch_size (prompts) x rollout.n,
-        micro_batch_size = ppo_micro_batch_size_per_gpu. batch needs advantages; old_logprobs may be None only when is_on_policy(...); ref_logprobs
+        micro_batch_size = ppo_micro_batch_size_per_gpu. batch needs advantages; old_logprobs may be None
+        only when is_on_policy(...); ref_logprobs
         when loss.use_kl_loss.
         """
         _check_update_inputs(batch, mini_batch_size, ppo_epochs, loss)
         lr = self.scheduler.get_last_lr()[0]
         self.model.train()
-        train = functools.partial(self._train_mini_batch, micro_batch_size=micro_batch_size, loss=loss,
-                                  temperature=temperature)
-        metrics = run_mini_batches(batch, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
-                                   train_mini_batch=train)
+        train = functools.partial(
+            self._train_mini_batch, micro_batch_size=micro_batch_size, loss=loss, temperature=temperature
+        )
+        metrics = run_mini_batches(
+            batch, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs, train_mini_batch=train
+        )
         self.scheduler.step()
         return {**metrics, "actor/lr": lr}
 
-    def _train_mini_batch(self, mini_batch: TrainBatch, *, micro_batch_size: int, loss: PolicyLossSettings,
-                          temperature: float) -> dict[str, float]:
+    def _train_mini_batch(
+        self, mini_batch: TrainBatch, *, micro_batch_size: int, loss: PolicyLossSettings, temperature: float
+    ) -> dict[str, float]:
         """Accumulate the micro-batches' gradients, then one optimizer step. Token-weighted metrics."""
         total_tokens = float(mini_batch.response_mask.sum())
-        denominators = {"num_tokens": max(total_tokens, 1.0), "num_seqs": len(mini_batch),
-                        "max_response_len": loss.max_response_len or mini_batch.response_width}
+        denominators = {
+            "num_tokens": max(total_tokens, 1.0),
+            "num_seqs": len(mini_batch),
+            "max_response_len": loss.max_response_len or mini_batch.response_width,
+        }
         sums: dict[str, float] = defaultdict(float)
         for micro in micro_batches(mini_batch, micro_batch_size, self.device):
             with autocast(self.device, self.autocast_dtype):
-                out = response_logprobs(self.model, micro, temperature=temperature, with_entropy=True,
-                                        chunk_size=self.logits_chunk_size)
+                out = response_logprobs(
+                    self.model,
+                    micro,
+                    temperature=temperature,
+                    with_entropy=True,
+                    chunk_size=self.logits_chunk_size,
+                )
             terms = policy_loss_terms(out, micro, loss, denominators)
             terms.pop("total").backward()
             tokens = float(micro.response_mask.sum())
             for name, value in terms.items():
-                # losses are already global-denominator partial sums; rates are local means -> weight by tokens
+                # losses are already global-denominator partial sums; rates are local means -> weight by
+                # tokens
                 sums[name] += value if name in ("actor/pg_loss", "actor/kl_loss") else value * tokens
-        metrics = {name: (value if name in ("actor/pg_loss", "actor/kl_loss") else value / max(total_tokens, 1.0))
-                   for name, value in sums.items()}
+        metrics = {
+            name: (value if name in ("actor/pg_loss", "actor/kl_loss") else value / max(total_tokens, 1.0))
+            for name, value in sums.items()
+        }
         metrics["actor/grad_norm"] = clip_and_step(self.model, self.optimizer, self.optim.grad_clip)
         return metrics
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -317,33 +400,49 @@ class Policy:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _check_update_inputs(batch: TrainBatch, mini_batch_size: int, ppo_epochs: int, loss: PolicyLossSettings) -> None:
+def _check_update_inputs(
+    batch: TrainBatch, mini_batch_size: int, ppo_epochs: int, loss: PolicyLossSettings
+) -> None:
     if batch.advantages is None:
         raise ValueError("Policy.update needs batch.advantages")
     if batch.old_logprobs is None and not is_on_policy(len(batch), mini_batch_size, ppo_epochs):
-        raise ValueError("old_logprobs may be omitted only when the update is exactly on-policy "
-                         f"(one mini-batch, one epoch); got B={len(batch)}, mini_batch_size={mini_batch_size}, "
-                         f"ppo_epochs={ppo_epochs}")
+        raise ValueError(
+            "old_logprobs may be omitted only when the update is exactly on-policy "
+            f"(one mini-batch, one epoch); got B={len(batch)}, mini_batch_size={mini_batch_size}, "
+            f"ppo_epochs={ppo_epochs}"
+        )
     if loss.use_kl_loss and batch.ref_logprobs is None:
         raise ValueError("use_kl_loss needs batch.ref_logprobs")
 
 
-def policy_loss_terms(out: ResponseLogprobs, micro: TrainBatch, loss: PolicyLossSettings,
-                      denominators: dict) -> dict:
+def policy_loss_terms(
+    out: ResponseLogprobs, micro: TrainBatch, loss: PolicyLossSettings, denominators: dict
+) -> dict:
     """The micro-batch's total loss (a tensor, key "total") and its metric values (floats)."""
     old_logprobs = micro.old_logprobs if micro.old_logprobs is not None else out.logprobs.detach()
     mask = micro.response_mask
     policy = algos.ppo_policy_loss(
-        out.logprobs, old_logprobs, micro.advantages, mask, clip_ratio_low=loss.clip_ratio_low,
-        clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c, loss_agg_mode=loss.loss_agg_mode,
-        **denominators)
+        out.logprobs,
+        old_logprobs,
+        micro.advantages,
+        mask,
+        clip_ratio_low=loss.clip_ratio_low,
+        clip_ratio_high=loss.clip_ratio_high,
+        clip_ratio_c=loss.clip_ratio_c,
+        loss_agg_mode=loss.loss_agg_mode,
+        **denominators,
+    )
     total = policy.loss
     if loss.entropy_coeff != 0:
         entropy_loss = algos.aggregate_loss(out.entropy, mask, loss.loss_agg_mode, **denominators)
         total = total - loss.entropy_coeff * entropy_loss
-    terms = {"actor/pg_loss": float(policy.loss.detach()), "actor/pg_clipfrac": float(policy.clipfrac),
-             "actor/pg_clipfrac_lower": float(policy.clipfrac_lower), "actor/ppo_kl": float(policy.approx_kl),
-             "actor/entropy": float(algos.masked_mean(out.entropy.detach(), mask))}
+    terms = {
+        "actor/pg_loss": float(policy.loss.detach()),
+        "actor/pg_clipfrac": float(policy.clipfrac),
+        "actor/pg_clipfrac_lower": float(policy.clipfrac_lower),
+        "actor/ppo_kl": float(policy.approx_kl),
+        "actor/entropy": float(algos.masked_mean(out.entropy.detach(), mask)),
+    }
     if loss.use_kl_loss:
         kl = algos.kl_penalty(out.logprobs, micro.ref_logprobs, loss.kl_loss_type)
         kl_loss = algos.aggregate_loss(kl, mask, loss.loss_agg_mode, **denominators)

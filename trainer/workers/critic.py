@@ -40,20 +40,27 @@ class ValueLossSettings:
 
 
 def response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
-    """Values [B, T] (fp32) of the batch's response tokens, 0 off them; in the caller's grad/autocast context."""
-    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, use_cache=False)
+    """Values [B, T] (fp32) of the batch's response tokens, 0 off them; in the caller's grad/autocast
+    context.
+    """
+    output = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
     values = output.logits.squeeze(-1).float()  # [B, L]
     start = batch.prompt_width - 1
-    values = values[:, start:start + batch.response_width]
-    return values * batch.attention_mask[:, batch.prompt_width:]
+    values = values[:, start : start + batch.response_width]
+    return values * batch.attention_mask[:, batch.prompt_width :]
 
 
 class Critic:
     """The value model: values for GAE and its own clipped-loss update."""
 
-    def __init__(self, model: PreTrainedModel, optim: OptimizerSettings, *,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, optim: OptimizerSettings, *, autocast_dtype: torch.dtype | None = None
+    ) -> None:
         self.model = model
         self.optim = optim
         self.autocast_dtype = autocast_dtype
@@ -71,42 +78,65 @@ class Critic:
                 parts.append(response_values(self.model, micro))
         return pad_response_columns(parts, batch.response_width).to(batch.response_mask.device)
 
-    def update(self, batch: TrainBatch, *, mini_batch_size: int, micro_batch_size: int, ppo_epochs: int,
-               loss: ValueLossSettings) -> dict[str, float]:
+    def update(
+        self,
+        batch: TrainBatch,
+        *,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        ppo_epochs: int,
+        loss: ValueLossSettings,
+    ) -> dict[str, float]:
         """Fit the values to batch.returns, clipped around batch.values. Returns verl's critic/* metrics."""
         if batch.values is None or batch.returns is None:
             raise ValueError("Critic.update needs batch.values (before the update) and batch.returns")
         lr = self.scheduler.get_last_lr()[0]
         self.model.train()
         train = functools.partial(self._train_mini_batch, micro_batch_size=micro_batch_size, loss=loss)
-        metrics = run_mini_batches(batch, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
-                                   train_mini_batch=train)
+        metrics = run_mini_batches(
+            batch, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs, train_mini_batch=train
+        )
         self.scheduler.step()
         return {**metrics, "critic/lr": lr}
 
-    def _train_mini_batch(self, mini_batch: TrainBatch, *, micro_batch_size: int,
-                          loss: ValueLossSettings) -> dict[str, float]:
+    def _train_mini_batch(
+        self, mini_batch: TrainBatch, *, micro_batch_size: int, loss: ValueLossSettings
+    ) -> dict[str, float]:
         total_tokens = max(float(mini_batch.response_mask.sum()), 1.0)
-        denominators = {"num_tokens": total_tokens, "num_seqs": len(mini_batch),
-                        "max_response_len": loss.max_response_len or mini_batch.response_width}
+        denominators = {
+            "num_tokens": total_tokens,
+            "num_seqs": len(mini_batch),
+            "max_response_len": loss.max_response_len or mini_batch.response_width,
+        }
         sums: dict[str, float] = defaultdict(float)
         for micro in micro_batches(mini_batch, micro_batch_size, self.device):
             with autocast(self.device, self.autocast_dtype):
                 values = response_values(self.model, micro)
             vf_loss, clipfrac = algos.value_loss(
-                values, micro.values, micro.returns, micro.response_mask, cliprange_value=loss.cliprange_value,
-                loss_agg_mode=loss.loss_agg_mode, **denominators)
+                values,
+                micro.values,
+                micro.returns,
+                micro.response_mask,
+                cliprange_value=loss.cliprange_value,
+                loss_agg_mode=loss.loss_agg_mode,
+                **denominators,
+            )
             vf_loss.backward()
             tokens = float(micro.response_mask.sum())
             sums["critic/vf_loss"] += float(vf_loss.detach())  # global denominators: partial sums add up
             sums["critic/vf_clipfrac"] += float(clipfrac) * tokens / total_tokens
-            sums["critic/vpred_mean"] += float(algos.masked_mean(values.detach(), micro.response_mask)) * tokens / total_tokens
+            sums["critic/vpred_mean"] += (
+                float(algos.masked_mean(values.detach(), micro.response_mask)) * tokens / total_tokens
+            )
         sums["critic/grad_norm"] = clip_and_step(self.model, self.optimizer, self.optim.grad_clip)
         return dict(sums)
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

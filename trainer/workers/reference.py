@@ -17,17 +17,30 @@ from trainer.workers.actor import DEFAULT_LOGITS_CHUNK_SIZE, batched_response_lo
 class Reference:
     """A frozen policy: logprobs only, no optimizer, nothing to checkpoint beyond the initial weights."""
 
-    def __init__(self, model: PreTrainedModel, *, autocast_dtype: torch.dtype | None = None,
-                 logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
+    ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.autocast_dtype = autocast_dtype
         self.logits_chunk_size = logits_chunk_size
 
-    def compute_logprobs(self, batch: TrainBatch, micro_batch_size: int, *, temperature: float = 1.0) -> Tensor:
+    def compute_logprobs(
+        self, batch: TrainBatch, micro_batch_size: int, *, temperature: float = 1.0
+    ) -> Tensor:
         """[B, T] sampled-token logprobs under the reference, 0 on padding."""
         return batched_response_logprobs(
-            self.model, batch, micro_batch_size, temperature=temperature, with_entropy=False,
-            autocast_dtype=self.autocast_dtype, chunk_size=self.logits_chunk_size).logprobs
+            self.model,
+            batch,
+            micro_batch_size,
+            temperature=temperature,
+            with_entropy=False,
+            autocast_dtype=self.autocast_dtype,
+            chunk_size=self.logits_chunk_size,
+        ).logprobs
 
     def state_dict(self) -> dict:
         """For symmetry with the other workers; a loop that reloads the reference from the model path

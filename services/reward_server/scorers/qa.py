@@ -51,10 +51,10 @@ def golden_answers(ground_truth) -> list[str]:
 
 
 def extract_answer(response: str) -> str | None:
-    last = None
-    for last in _ANSWER.finditer(response):
+    found = None
+    for found in _ANSWER.finditer(response):  # noqa: B007 - the last match is the answer
         pass
-    return None if last is None else last.group(1).strip()
+    return None if found is None else found.group(1).strip()
 
 
 def too_many_tags(response: str) -> bool:
