@@ -27,7 +27,7 @@ from services.data_server.sources import gsm8k_row
 from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
 from tests.trainer.test_config import GRPO_QWEN3, PPO_QUICKSTART, argv_of, small
 from trainer.checkpoint import load_train_state
-from trainer.tiny import make_tiny_model
+from testing.tiny import make_tiny_model
 
 # Every answer is 7: a policy that ends its response with the digit 7 scores 1 (gsm8k, flexible).
 # A random char-level model does so ~3% of the time, so GRPO has a signal from the first step.

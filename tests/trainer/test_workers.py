@@ -10,7 +10,7 @@ import torch
 from trainer.batch import TrainBatch
 from trainer.model import is_gradient_checkpointing, load_critic, load_policy, load_reference
 from trainer.rollout.base import Rollout
-from trainer.tiny import make_tiny_model
+from testing.tiny import make_tiny_model
 from trainer.workers.actor import (
     OptimizerSettings,
     Policy,
