@@ -63,8 +63,8 @@ constant, so the losses (and gradients) of micro-batches add up to exactly the m
 micro-batch 1 x accumulation 8 == 8 x 1, whatever the padding of each micro-batch. With data
 parallelism where gradients are averaged over W ranks, scale the loss by W.
 
-DAPO extras: `zero_variance_groups` marks the groups that dynamic sampling drops (all scores equal, so
-every GRPO advantage is 0); `overlong_penalty` is the soft overlong punishment added to the score.
+DAPO extra: `overlong_penalty` is the soft overlong punishment added to the score. (Dynamic sampling,
+which drops the groups whose scores are all equal, filters whole prompt groups in trainer/loop.py.)
 """
 
 from __future__ import annotations
@@ -483,18 +483,6 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------- DAPO
-
-
-def zero_variance_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
-    """True for samples whose group (of 2 or more) has all-equal scores. scores, group_ids [B] -> bool [B].
-
-    DAPO's dynamic sampling drops these groups (every GRPO advantage in them is 0) and samples more
-    prompts to refill the batch. A group of one is kept, as verl does.
-    """
-    _, group_index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    group_min, group_max = _group_min_max(scores, group_index, counts.shape[0])
-    zero_variance = (group_max == group_min) & (counts > 1)
-    return zero_variance[group_index]
 
 
 def overlong_penalty(

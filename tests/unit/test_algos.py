@@ -437,14 +437,6 @@ def test_overlong_penalty_inside_buffer_and_beyond():
         algos.overlong_penalty(lengths, max_response_len=20, buffer_len=21)
 
 
-def test_zero_variance_groups():
-    scores = t32([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 2.0, 2.0])
-    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3])
-    # group 0 all 1 -> drop; group 1 mixed -> keep; group 2 alone -> keep (verl); group 3 all 2 -> drop
-    expected = [True, True, True, False, False, False, True, True]
-    assert algos.zero_variance_groups(scores, groups).tolist() == expected
-
-
 # ----------------------------------------------------------------------- micro-batch invariance
 
 
