@@ -617,6 +617,16 @@ class TrainerConfig(Section):
     )
     nnodes: int = Field(1, ge=1, description="Machines.")
     n_gpus_per_node: int = Field(1, ge=1, description="GPUs per machine.")
+    use_ray: bool | None = Field(
+        None,
+        description="Train with Ray role groups (FSDP2, one rank per GPU). null: when nnodes x "
+        "n_gpus_per_node > 1; false: one process (CPU debugging, the offline demo).",
+    )
+    role_pools: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="colocated: policy, rollout, reference and critic share every GPU; "
+        "separate: each role gets its own nnodes x n_gpus_per_node GPUs.",
+    )
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: cuda when available, else cpu.")
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto",

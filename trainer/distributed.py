@@ -71,7 +71,7 @@ SINGLE_PROCESS = DataParallel()
 
 def _collective_device() -> torch.device:
     # NCCL reduces only CUDA tensors; gloo only CPU ones.
-    if dist.get_backend() == "nccl":
+    if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -255,23 +255,34 @@ def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[dic
 # ------------------------------------------------------------------------------ sharded checkpoints
 
 
-def save_sharded(directory: Path, model: nn.Module, optimizer=None) -> None:
-    """Every rank writes its shards of the model (and optimizer) into `directory` (a collective)."""
-    state = {"model": get_model_state_dict(model)}
+def save_sharded(directory: Path, model: nn.Module, optimizer=None, *, aliases: dict | None = None) -> None:
+    """Every rank writes its shards of the model (and optimizer) into `directory` (a collective).
+
+    `aliases` (tied names -> the name they share storage with) are left out: stored once.
+    """
+    model_state = get_model_state_dict(model)
+    state = {"model": {k: v for k, v in model_state.items() if k not in (aliases or {})}}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=str(directory))
+    dcp.save(state, checkpoint_id=str(directory), no_dist=not _distributed())
 
 
-def load_sharded(directory: Path, model: nn.Module, optimizer=None) -> None:
+def load_sharded(directory: Path, model: nn.Module, optimizer=None, *, aliases: dict | None = None) -> None:
     """Read `directory` into this rank's shards, whatever number of ranks wrote it (a collective)."""
-    state = {"model": get_model_state_dict(model)}
+    aliases = aliases or {}
+    model_state = get_model_state_dict(model)
+    state = {"model": {k: v for k, v in model_state.items() if k not in aliases}}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    dcp.load(state, checkpoint_id=str(directory), no_dist=not _distributed())
+    loaded = {**state["model"], **{alias: state["model"][stored] for alias, stored in aliases.items()}}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=True))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def has_sharded_checkpoint(directory: Path) -> bool:

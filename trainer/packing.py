@@ -86,8 +86,16 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: d
     if query.is_cuda:
         kernel = _cuda_varlen_kernel()
         if kernel is not None:
-            return kernel(query, key, value, packed["cu_seq_lens_q"], packed["max_length_q"], scale)
+            try:
+                return kernel(query, key, value, packed["cu_seq_lens_q"], packed["max_length_q"], scale)
+            except (RuntimeError, TypeError, ValueError) as exc:  # an older or newer torch's signature
+                log.warning("varlen_attn failed (%s): packed attention runs per sequence from now on", exc)
+                _cuda_varlen_kernel.cache_clear()
+                _DISABLED.add("varlen")
     return _attention_per_sequence(query, key, value, packed["cu_seq_lens_q"], scale)
+
+
+_DISABLED: set[str] = set()
 
 
 def _attention_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seq_lens: Tensor, scale: float):
@@ -105,6 +113,8 @@ def _attention_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seq_le
 @functools.cache
 def _cuda_varlen_kernel():
     """PyTorch's variable-length flash attention (torch >= 2.9), adapted to its signature; None if absent."""
+    if "varlen" in _DISABLED:
+        return None
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -180,6 +190,11 @@ def use_packed_attention(model) -> None:
         model.set_attn_implementation(name)
     else:  # older transformers
         model.config._attn_implementation = name
+
+
+def is_packed(model) -> bool:
+    """Whether `use_packed_attention` set this model up for padding-free forwards."""
+    return getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION
 
 
 # ------------------------------------------------------------------------------ hidden states of responses

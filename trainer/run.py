@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -38,7 +39,11 @@ from trainer.tracking import Tracker
 from trainer.workers.actor import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.group import PolicyProfile
 from trainer.workers.reference import Reference
+
+if TYPE_CHECKING:
+    from trainer.cluster import Groups
 
 log = logging.getLogger("trainer")
 
@@ -93,9 +98,11 @@ class Run:
     val_sampling: SamplingParams
     reward_options: RewardOptions
     total_steps: int
-    # The processes that train: one today, whatever trainer.nnodes / n_gpus_per_node say; throughput and
-    # MFU are per GPU, so they divide by this (the distributed trainer makes it its group's size).
+    sync_weights: Callable[[], None]  # the rollout engine takes the policy's current weights
+    profile: PolicyProfile  # the policy's shape, for MFU
+    # The ranks that train (throughput and MFU are per GPU): 1 in one process, else the group's size.
     world_size: int = 1
+    groups: Groups | None = None  # the Ray role groups, to shut down at the end
     tracker: Tracker | None = None
     last_saved_step: int = 0
 
@@ -127,7 +134,6 @@ async def build_run(cfg: Config) -> Run:
     steps = total_steps(
         source.train_size, cfg.data.train_batch_size, trainer.total_epochs, trainer.total_training_steps
     )
-    policy = build_policy(cfg, device, precision, steps)
     scorer = await open_scorer(
         cfg.reward_model.mode,
         urls=cfg.services.reward_url,
@@ -142,11 +148,8 @@ async def build_run(cfg: Config) -> Run:
         cfg=cfg,
         tokenizer=tokenizer,
         source=source,
-        engine=HFRolloutEngine(policy.model, tokenizer, autocast_dtype=precision.autocast_dtype),
         scorer=scorer,
-        policy=policy,
-        reference=build_reference(cfg, device, precision) if cfg.use_reference else None,
-        critic=build_critic(cfg, device, precision, steps) if cfg.use_critic else None,
+        **build_workers(cfg, device, precision, steps, tokenizer),
         kl_ctrl=kl_controller(cfg.algorithm.kl_ctrl),
         advantage=advantage_settings(cfg.algorithm),
         plan=batch_plan(cfg),
@@ -160,11 +163,43 @@ async def build_run(cfg: Config) -> Run:
 async def close_run(run: Run) -> None:
     if run.tracker is not None:
         run.tracker.close()
+    if run.groups is not None:
+        run.groups.shutdown()
     await close_scorer(run.scorer)
     await run.source.aclose()
 
 
 # ------------------------------------------------------------------------------------------ workers
+
+
+def build_workers(cfg: Config, device: torch.device, precision: Precision, steps: int, tokenizer) -> dict:
+    """The policy, reference, critic and rollout engine: Ray role groups (trainer/cluster.py) or, on one
+    device by default, plain workers in this process with the engine sharing the policy's module."""
+    from trainer import cluster
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cluster.use_ray(cfg):
+        groups = cluster.build_groups(cfg, device, precision, steps, pad_id)
+        return {
+            "policy": groups.policy,
+            "reference": groups.reference,
+            "critic": groups.critic,
+            "engine": groups.engine,
+            "sync_weights": groups.engine.load_weights,
+            "profile": groups.policy.profile(),
+            "world_size": groups.policy.world_size,
+            "groups": groups,
+        }
+    policy = build_policy(cfg, device, precision, steps)
+    engine = HFRolloutEngine(policy.model, tokenizer, autocast_dtype=precision.autocast_dtype)
+    return {
+        "policy": policy,
+        "reference": build_reference(cfg, device, precision) if cfg.use_reference else None,
+        "critic": build_critic(cfg, device, precision, steps) if cfg.use_critic else None,
+        "engine": engine,
+        "sync_weights": lambda: engine.load_weights(policy.model),  # the same module: nothing to copy
+        "profile": PolicyProfile.of(policy.model, policy.update_settings.ppo_epochs, in_process=True),
+    }
 
 
 def build_policy(cfg: Config, device: torch.device, precision: Precision, steps: int) -> Policy:

@@ -5,7 +5,7 @@ tensor-by-tensor weight stream. The Ray / FSDP tests are in test_distributed.py.
 import pytest
 import torch
 
-from trainer.tiny import make_tiny_model
+from testing.tiny import make_tiny_model
 from trainer.batch import TrainBatch
 from trainer.distributed import SINGLE_PROCESS, Scatter, balanced_partition, shard_rows
 from trainer.fsdp import buckets, iter_full_state, load_full_model_state, load_sharded, save_sharded

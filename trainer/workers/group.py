@@ -42,6 +42,32 @@ class WorkerGroupError(RuntimeError):
     """A rank of a role group died or failed; the group has been shut down."""
 
 
+@dataclass(frozen=True)
+class PolicyProfile:
+    """What MFU needs to know of the policy: its size, its epochs and the GPU it trains on (None: CPU)."""
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    ppo_epochs: int
+    device_name: str | None
+    in_process: bool  # trained by this process (whose CUDA memory counters are then the ones to read)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, ppo_epochs: int, *, in_process: bool) -> PolicyProfile:
+        from trainer.fsdp import compute_device
+
+        on_gpu = compute_device(model).type == "cuda"
+        return cls(
+            num_params=sum(p.numel() for p in model.parameters()),  # DTensors count their global size
+            num_layers=model.config.num_hidden_layers,
+            hidden_size=model.config.hidden_size,
+            ppo_epochs=ppo_epochs,
+            device_name=torch.cuda.get_device_name() if on_gpu else None,
+            in_process=in_process,
+        )
+
+
 # ------------------------------------------------------------------------------ the Ray cluster
 
 
@@ -171,6 +197,11 @@ class RankActor:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.role, method)(*args, **kwargs)
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 # ------------------------------------------------------------------------------ the driver's handle
 
@@ -187,6 +218,7 @@ class RoleGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world_size = pool.world_size
+        self.failure: str | None = None
         remote = ray.remote(RankActor)
         self.actors = [
             remote.options(
@@ -207,6 +239,8 @@ class RoleGroup:
     # -------------------------------------------------------------- calls
     def call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
         """Call `method` on every rank (rank r gets per_rank_args[r]); the results in rank order."""
+        if self.failure is not None:
+            raise WorkerGroupError(f"the {self.role_name} group was shut down after: {self.failure}")
         per_rank_args = per_rank_args or [()] * self.world_size
         refs = [actor.call.remote(method, *args, **kwargs) for actor, args in zip(self.actors, per_rank_args)]
         return self._wait(refs, method)
@@ -223,11 +257,16 @@ class RoleGroup:
                 ray.get(ready[0])
             except Exception as exc:  # any failure of a rank ends the group
                 self.shutdown()
-                raise WorkerGroupError(
+                self.failure = (
                     f"{self.role_name} rank {rank_of[ready[0]]} of {self.world_size} failed during "
                     f"{what}: {_first_line(exc)}"
-                ) from exc
+                )
+                raise WorkerGroupError(self.failure) from exc
         return ray.get(refs)
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order."""
+        return self._wait([actor.node_id.remote() for actor in self.actors], "node_id")
 
     def shutdown(self) -> None:
         import ray
@@ -241,6 +280,18 @@ class RoleGroup:
         tokens = (batch.prompt_lengths + batch.response_lengths).tolist()
         plan = Scatter.plan(tokens, self.world_size, chunk)
         return plan, [(batch.select(list(rows)),) for rows in plan.shards]
+
+
+MEMORY_METRICS = ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb")
+
+
+def _same_metrics_and_peak_memory(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Every rank reports the same all-reduced training metrics; peak memory is the largest rank's."""
+    metrics = dict(per_rank[0])
+    for name in MEMORY_METRICS:
+        if name in metrics:
+            metrics[name] = max(rank[name] for rank in per_rank)
+    return metrics
 
 
 def _first_line(exc: BaseException) -> str:
@@ -272,7 +323,7 @@ class CriticGroup(RoleGroup):
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         _, shards = self.scatter(batch, self.mini_batch_size)
-        return self.call_all("update", shards)[0]  # every rank reports the same, all-reduced metrics
+        return _same_metrics_and_peak_memory(self.call_all("update", shards))
 
     def save(self, directory: str) -> None:
         self.call_all("save", [(directory,)] * self.world_size)
@@ -306,7 +357,10 @@ class PolicyGroup(RoleGroup):
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         _, shards = self.scatter(batch, self.mini_batch_size)
-        return self.call_all("update", shards)[0]  # every rank reports the same, all-reduced metrics
+        return _same_metrics_and_peak_memory(self.call_all("update", shards))
+
+    def profile(self) -> PolicyProfile:
+        return self.call_all("profile")[0]
 
     def generate(self, prompt_ids: list[list[int]], sampling) -> list:
         """Each rank's colocated engine samples a contiguous share of the prompts (n samples each)."""

@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import save_hf_metadata
+from trainer.checkpoint import load_role_state, save_role_state
 from trainer.distributed import DataParallel
 from trainer.fsdp import (
     FSDPSettings,
     Offloader,
     buckets,
     iter_full_state,
-    load_sharded,
-    save_sharded,
     shard_model,
 )
 from trainer.model import load_critic, load_policy, load_reference, load_tokenizer
@@ -40,9 +38,9 @@ from trainer.rollout.base import Rollout, SamplingParams
 from trainer.workers.actor import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.group import PolicyProfile
 from trainer.workers.reference import Reference
 
-SCHEDULER_FILE = "scheduler.pt"
 SYNC_BUCKET_BYTES = 256 * 2**20
 
 
@@ -70,6 +68,16 @@ def _sharded(loader: Callable, settings: ModelSettings, dp: DataParallel, device
     return shard_model(model, dp, settings.fsdp, device)
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """perf/max_memory_*_gb of this rank's GPU (GiB); nothing on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+        "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
+
+
 def per_rank(update: UpdateSettings, world_size: int) -> UpdateSettings:
     """The group splits each global mini-batch over the ranks: a rank's mini-batch is 1/W of it."""
     if update.mini_batch_size % world_size:
@@ -88,19 +96,22 @@ class _Checkpointed:
     hf_source: str
 
     def save(self, directory: str) -> None:
-        directory = Path(directory)
+        tokenizer = load_tokenizer(self.hf_source) if self.dp.rank == 0 else None
         with self.offloader.on_device():
-            save_sharded(directory, self.trained.model, self.trained.optimizer)
-        if self.dp.rank == 0:
-            torch.save(self.trained.scheduler.state_dict(), directory / SCHEDULER_FILE)
-            save_hf_metadata(directory / "huggingface", self.trained.model, load_tokenizer(self.hf_source))
+            save_role_state(
+                Path(directory),
+                self.trained.model,
+                self.trained.optimizer,
+                self.trained.scheduler,
+                tokenizer=tokenizer,
+                writer=self.dp.rank == 0,
+            )
 
     def load(self, directory: str) -> None:
-        directory = Path(directory)
         with self.offloader.on_device():
-            load_sharded(directory, self.trained.model, self.trained.optimizer)
-        self.trained.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
-        self.offloader.offload()
+            load_role_state(
+                Path(directory), self.trained.model, self.trained.optimizer, self.trained.scheduler
+            )
 
 
 # ------------------------------------------------------------------------------ policy
@@ -146,11 +157,14 @@ class PolicyRank(_Checkpointed):
         self.offloader = Offloader(model, self.trained.optimizer, settings.model.fsdp, device)
         self.engine = _colocated_engine(settings, device) if settings.engine is not None else None
 
-    def update(self, shard):
+    def update(self, shard) -> dict[str, float]:
         if self.engine is not None:
             self.engine.release_memory()
         with self.offloader.on_device():
-            return self.trained.update(shard)
+            return self.trained.update(shard) | peak_memory(self.device)
+
+    def profile(self) -> PolicyProfile:
+        return PolicyProfile.of(self.trained.model, self.trained.update_settings.ppo_epochs, in_process=False)
 
     def compute_logprobs(self, shard, with_entropy: bool = False):
         with self.offloader.on_device():
@@ -175,6 +189,12 @@ class PolicyRank(_Checkpointed):
 def _colocated_engine(settings: PolicyRankSettings, device: torch.device):
     from trainer.rollout.hf_engine import HFRolloutEngine
 
+    class ColocatedHFEngine(HFRolloutEngine):
+        """The built-in engine on its own copy of the model, taking weights bucket by bucket."""
+
+        def load_weights(self, named) -> None:
+            copy_named_tensors(self.model, named)
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_reference(
         settings.model.path,
@@ -183,7 +203,18 @@ def _colocated_engine(settings: PolicyRankSettings, device: torch.device):
         trust_remote_code=settings.model.trust_remote_code,
     )
     tokenizer = load_tokenizer(settings.model.path, trust_remote_code=settings.model.trust_remote_code)
-    return HFRolloutEngine(model, tokenizer, max_batch_size=settings.engine.max_batch_size)
+    return ColocatedHFEngine(model, tokenizer, max_batch_size=settings.engine.max_batch_size)
+
+
+def copy_named_tensors(model: torch.nn.Module, named: Mapping[str, torch.Tensor]) -> None:
+    """Copy some of a model's tensors in place, by state-dict name (a partial load_state_dict)."""
+    state = model.state_dict(keep_vars=True)
+    unknown = sorted(set(named) - set(state))
+    if unknown:
+        raise KeyError(f"the engine's model has no tensors named {unknown[:5]}")
+    with torch.no_grad():
+        for name, tensor in named.items():
+            state[name].copy_(tensor)
 
 
 def build_policy(settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> PolicyRank:
@@ -253,9 +284,9 @@ class CriticRank(_Checkpointed):
         with self.offloader.on_device():
             return self.trained.compute_values(shard)
 
-    def update(self, shard):
+    def update(self, shard) -> dict[str, float]:
         with self.offloader.on_device():
-            return self.trained.update(shard)
+            return self.trained.update(shard) | peak_memory(self.device)
 
 
 def build_critic(settings: CriticRankSettings, dp: DataParallel, device: torch.device) -> CriticRank:

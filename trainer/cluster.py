@@ -1,0 +1,182 @@
+"""The run's workers as Ray role groups: one rank per GPU across trainer.nnodes x trainer.n_gpus_per_node.
+
+`build_groups` is the distributed twin of trainer/run.py's build_policy / build_reference /
+build_critic: the same config keys become the same settings, handed to every rank of a role group
+(trainer/workers/group.py) instead of to one in-process worker. The policy ranks also run the
+rollout engine (colocated, as verl's hybrid engine), so generation spreads over every GPU and the
+weights reach the engines without leaving the GPUs.
+
+When Ray is used (`use_ray`): `trainer.use_ray=true`, or by default whenever the run asks for more
+than one GPU. One process without Ray stays the default for a single device: CPU debugging, the
+offline demo, a one-GPU run.
+
+Placement: all roles share one pool of bundles (one per GPU) by default, each role's rank r taking
+a fraction of bundle r; `trainer.role_pools=separate` gives every role its own GPUs instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import Config
+from trainer.fsdp import FSDPSettings
+from trainer.model import Precision
+from trainer.workers.common import UpdateSettings
+from trainer.workers.critic import ValueLossSettings
+from trainer.workers.group import (
+    CriticGroup,
+    GroupRolloutEngine,
+    PolicyGroup,
+    ReferenceGroup,
+    ResourcePool,
+    connect_ray,
+)
+from trainer.workers.ranks import (
+    CriticRankSettings,
+    EngineSettings,
+    ModelSettings,
+    PolicyRankSettings,
+    ReferenceRankSettings,
+    build_critic,
+    build_policy,
+    build_reference,
+)
+
+log = logging.getLogger("trainer")
+
+
+def use_ray(cfg: Config) -> bool:
+    """Ray role groups, or the workers in this process."""
+    choice = getattr(cfg.trainer, "use_ray", None)
+    return cfg.world_size > 1 if choice is None else bool(choice)
+
+
+@dataclass
+class Groups:
+    policy: PolicyGroup
+    reference: ReferenceGroup | None
+    critic: CriticGroup | None
+    engine: GroupRolloutEngine
+    pools: list[ResourcePool]
+
+    def shutdown(self) -> None:
+        for group in (self.policy, self.reference, self.critic):
+            if group is not None:
+                group.shutdown()
+        for pool in self.pools:
+            pool.release()
+
+
+def build_groups(cfg: Config, device: torch.device, precision: Precision, steps: int, pad_id: int) -> Groups:
+    """Start (or join) Ray, reserve the GPUs and start every role's ranks, each loading its model."""
+    from trainer import run as settings  # the config -> settings functions the single process uses
+
+    trainer, arr = cfg.trainer, cfg.actor_rollout_ref
+    how = connect_ray(num_cpus=max(cfg.world_size, os.cpu_count() or 1) if device.type == "cpu" else None)
+    use_gpu = device.type == "cuda"
+    roles = 1 + int(cfg.use_reference) + int(cfg.use_critic)
+    separate = getattr(trainer, "role_pools", "colocated") == "separate"
+    pools = [
+        ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu=use_gpu)
+        for _ in range(roles if separate else 1)
+    ]
+    share = 1.0 if separate else 1.0 / roles
+    pool_of = iter(pools * (1 if separate else roles))
+    n = arr.rollout.n
+    policy_update = UpdateSettings(
+        mini_batch_size=arr.actor.ppo_mini_batch_size * n,
+        micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
+        ppo_epochs=arr.actor.ppo_epochs,
+    )
+    policy = PolicyGroup(
+        next(pool_of),
+        functools.partial(
+            build_policy,
+            PolicyRankSettings(
+                model=model_settings(arr.model, arr.actor.fsdp_config, precision),
+                optim=settings.optimizer_settings(arr.actor.optim, arr.actor.grad_clip, steps),
+                update=policy_update,
+                loss=settings.policy_loss_settings(arr.actor, cfg.data.max_response_length),
+                temperature=arr.rollout.temperature or 1.0,
+                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                engine=EngineSettings(),
+            ),
+        ),
+        mini_batch_size=policy_update.mini_batch_size,
+        ppo_epochs=policy_update.ppo_epochs,
+        share=share,
+        seed=trainer.seed,
+    )
+    reference = critic = None
+    if cfg.use_reference:
+        reference = ReferenceGroup(
+            next(pool_of),
+            functools.partial(
+                build_reference,
+                ReferenceRankSettings(
+                    model=model_settings(arr.model, arr.ref.fsdp_config, precision, trainable=False),
+                    temperature=arr.rollout.temperature or 1.0,
+                    micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                ),
+            ),
+            share=share,
+            seed=trainer.seed,
+        )
+    if cfg.use_critic:
+        critic_cfg = cfg.critic
+        critic_update = UpdateSettings(
+            mini_batch_size=critic_cfg.ppo_mini_batch_size * n,
+            micro_batch_size=critic_cfg.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=critic_cfg.ppo_epochs,
+        )
+        critic = CriticGroup(
+            next(pool_of),
+            functools.partial(
+                build_critic,
+                CriticRankSettings(
+                    model=model_settings(critic_cfg.model, critic_cfg.model.fsdp_config, precision),
+                    optim=settings.optimizer_settings(critic_cfg.optim, critic_cfg.grad_clip, steps),
+                    update=critic_update,
+                    loss=ValueLossSettings(
+                        cliprange_value=critic_cfg.cliprange_value,
+                        loss_agg_mode=critic_cfg.loss_agg_mode,
+                        max_response_len=cfg.data.max_response_length,
+                    ),
+                    forward_micro_batch_size=critic_cfg.forward_micro_batch_size_per_gpu,
+                ),
+            ),
+            mini_batch_size=critic_update.mini_batch_size,
+            share=share,
+            seed=trainer.seed,
+        )
+    log.info(
+        "%s; %d rank(s) per role on %d node(s), roles %s",
+        how,
+        policy.world_size,
+        len(set(policy.node_ids())),
+        "on separate GPUs" if separate else "colocated",
+    )
+    return Groups(policy, reference, critic, GroupRolloutEngine(policy, pad_id), pools)
+
+
+def model_settings(model, fsdp, precision: Precision, *, trainable: bool = True) -> ModelSettings:
+    """actor_rollout_ref.model / critic.model and their fsdp_config, for every rank."""
+    return ModelSettings(
+        path=model.path,
+        trust_remote_code=bool(model.trust_remote_code),
+        gradient_checkpointing=trainable and bool(model.enable_gradient_checkpointing),
+        remove_padding=bool(getattr(model, "use_remove_padding", False)),
+        fsdp=FSDPSettings(
+            # bf16 compute on gathered parameters where the single process would autocast to bf16
+            param_dtype=precision.autocast_dtype,
+            reshard_after_forward=bool(fsdp.reshard_after_forward),
+            offload_policy=bool(fsdp.offload_policy),
+            param_offload=bool(fsdp.param_offload),
+            optimizer_offload=trainable and bool(fsdp.optimizer_offload),
+        ),
+    )
