@@ -150,9 +150,13 @@ def main() -> None:
     results: dict[int, dict[str, float]] = {}
     for world in (int(w) for w in args.gpus.split(",")):
         run_dir = args.out / f"run-{world}gpu"
-        subprocess.run(run_command(args, world, model, data, run_dir, extra), cwd=ROOT, check=True)
-        results[world] = summarise(run_dir)
-    print_table(args, results)
+        done = subprocess.run(run_command(args, world, model, data, run_dir, extra), cwd=ROOT, check=False)
+        if done.returncode == 0:
+            results[world] = summarise(run_dir)
+        else:
+            print(f"the {world}-GPU run failed (exit {done.returncode}); see its output above", flush=True)
+    if results:
+        print_table(args, results)
 
 
 def print_table(args, results: dict[int, dict[str, float]]) -> None:
