@@ -11,7 +11,6 @@ gradients, so parameters are compared through the model's logprobs on a probe ba
 """
 
 import os
-import signal
 import time
 
 import pytest
@@ -25,13 +24,7 @@ from trainer.model import load_policy
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.workers.actor import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, UpdateSettings
-from trainer.workers.group import (
-    GroupRolloutEngine,
-    PolicyGroup,
-    ResourcePool,
-    WorkerGroupError,
-    connect_ray,
-)
+from trainer.workers.group import GroupRolloutEngine, PolicyGroup, ResourcePool, connect_ray
 from trainer.workers.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
 
 ray = pytest.importorskip("ray")
@@ -224,21 +217,6 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
         close(group, pool)
 
 
-def test_a_rank_killed_mid_step_fails_the_call_instead_of_hanging(cluster, model_dir):
-    group, pool = policy_group(model_dir, nnodes=2)
-    try:
-        group.update(make_batch(seed=1))
-        os.kill(group.pids[1], signal.SIGKILL)
-        # rank 0 gets its shard and blocks in its first collective; rank 1's death must end the call
-        with pytest.raises(WorkerGroupError, match="policy rank 1 of 2 failed during update"):
-            group.update(make_batch(seed=2))
-        assert process_ends(group.pids[0], within_s=120)  # the whole group was shut down, rank 0 too
-        with pytest.raises(WorkerGroupError, match="shut down"):
-            group.update(make_batch(seed=3))
-    finally:
-        pool.release()
-
-
 # ------------------------------------------------------------------------------ the fit loop
 
 KILLER = """
@@ -324,22 +302,28 @@ def test_fit_on_two_ranks_dies_cleanly_and_resumes_on_one_process(cluster, model
         + [f"custom_reward_function.path={killer}", "reward_model.mode=local"]
     )
 
+    pids = []
+
     async def train_until_killed():
         run = await build_run(cfg)
         try:
             assert run.world_size == 2 and run.groups is not None
-            pid_file.write_text(str(run.policy.pids[1]))
+            pids.extend(run.policy.pids)
+            pid_file.write_text(str(pids[1]))
             await train(run)
         finally:
             await close_run(run)
 
-    # rank 1 is killed while step 3 scores its responses: the step fails in the policy's next call
+    # rank 1 is killed while step 3 scores its responses: the step fails in the policy's next call,
+    # rank 0 (blocked in a collective with the dead rank) is shut down instead of hanging
     with pytest.raises(
         TrainingAborted, match=r"policy rank 1 of 2 failed.*last usable checkpoint: .*global_step_2"
     ):
         asyncio.run(train_until_killed())
+    assert process_ends(pids[0], within_s=120)
 
     # resume step 1's checkpoint (written by 2 ranks) in one process without Ray: step 2 comes out the same
+    # (the same reward function: it scores 0 and kills nothing before step 3)
     single = load_config(
         fit_args(model_dir, gsm8k_files, single_dir, steps=2, ranks=1)
         + [
