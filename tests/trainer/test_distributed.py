@@ -183,6 +183,44 @@ def test_two_ranks_on_two_nodes_give_the_update_of_one_process_and_resume_on_one
             reference = single.compute_logprobs(probe, with_entropy=True)
             torch.testing.assert_close(after.logprobs, reference.logprobs, atol=1e-4, rtol=0)
             torch.testing.assert_close(after.entropy, reference.entropy, atol=1e-4, rtol=0)
+        # the group reads its own checkpoint back: rewound to after step 1, step 2 repeats exactly
+        group.load(str(tmp_path / "after"))
+        assert_same_metrics(group.update(make_batch(seed=2)), metrics)
+    finally:
+        close(group, pool)
+
+
+def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_dir, tmp_path):
+    import functools
+
+    from trainer.model import load_critic
+    from trainer.workers.critic import Critic, ValueLossSettings
+    from trainer.workers.group import CriticGroup
+    from trainer.workers.ranks import CriticRankSettings, build_critic
+
+    settings = CriticRankSettings(
+        model=ModelSettings(path=str(model_dir), remove_padding=True),
+        optim=optim(),
+        update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH),
+        loss=ValueLossSettings(cliprange_value=0.5, loss_agg_mode="token-mean"),
+        forward_micro_batch_size=2,
+    )
+    pool = ResourcePool(2, 1, use_gpu=False)
+    group = CriticGroup(pool, functools.partial(build_critic, settings), mini_batch_size=MINI_BATCH)
+    try:
+        group.save(str(tmp_path / "start"))
+        single = Critic(load_critic(str(model_dir)), settings.optim, settings.update, settings.loss)
+        LocalRole(single.model, single.optimizer, single.scheduler).load(str(tmp_path / "start"))
+        batch = make_batch(seed=3)
+        values = group.compute_values(batch)
+        torch.testing.assert_close(values, single.compute_values(batch), atol=1e-5, rtol=0)
+        returns = values + torch.randn(values.shape, generator=torch.Generator().manual_seed(4))
+        batch = batch.with_fields(values=values, returns=returns * batch.response_mask)
+        assert_same_metrics(group.update(batch), single.update(batch))
+        probe = make_batch(seed=7)
+        torch.testing.assert_close(
+            group.compute_values(probe), single.compute_values(probe), atol=1e-4, rtol=0
+        )
     finally:
         close(group, pool)
 
