@@ -86,6 +86,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
         for _ in range(roles if separate else 1)
     ]
     share = 1.0 if separate else 1.0 / roles
+    common = {"share": share, "seed": trainer.seed, "balance": bool(getattr(trainer, "balance_batch", True))}
     pool_of = iter(pools * (1 if separate else roles))
     n = arr.rollout.n
     policy_update = UpdateSettings(
@@ -109,8 +110,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
         ),
         mini_batch_size=policy_update.mini_batch_size,
         ppo_epochs=policy_update.ppo_epochs,
-        share=share,
-        seed=trainer.seed,
+        **common,
     )
     reference = critic = None
     if cfg.use_reference:
@@ -124,8 +124,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
                     micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
                 ),
             ),
-            share=share,
-            seed=trainer.seed,
+            **common,
         )
     if cfg.use_critic:
         critic_cfg = cfg.critic
@@ -151,8 +150,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
                 ),
             ),
             mini_batch_size=critic_update.mini_batch_size,
-            share=share,
-            seed=trainer.seed,
+            **common,
         )
     log.info(
         "%s; %d rank(s) per role on %d node(s), roles %s",

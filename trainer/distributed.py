@@ -129,7 +129,17 @@ def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
-def shard_rows(weights: Sequence[int], parts: int, chunk: int | None = None) -> list[list[int]]:
+def contiguous_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices 0..len-1 in `parts` consecutive runs of equal size (trainer.balance_batch=false)."""
+    if len(weights) % parts:
+        raise ValueError(f"{len(weights)} rows do not split evenly over {parts} ranks")
+    size = len(weights) // parts
+    return [list(range(rank * size, (rank + 1) * size)) for rank in range(parts)]
+
+
+def shard_rows(
+    weights: Sequence[int], parts: int, chunk: int | None = None, *, balance: bool = True
+) -> list[list[int]]:
     """Row indices for each rank: every consecutive `chunk` of rows (a mini-batch) is balanced on its own.
 
     Rank r's list is its share of chunk 0, then of chunk 1, ...: split by chunk // parts, rank r's
@@ -144,7 +154,8 @@ def shard_rows(weights: Sequence[int], parts: int, chunk: int | None = None) -> 
             raise ValueError(
                 f"a mini-batch of {rows} sequences does not split evenly over {parts} data-parallel ranks"
             )
-        local = balanced_partition(weights[start : start + chunk], parts)
+        partition = balanced_partition if balance else contiguous_partition
+        local = partition(weights[start : start + chunk], parts)
         for rank, indices in enumerate(local):
             shards[rank].extend(start + i for i in indices)
     return shards
@@ -157,8 +168,10 @@ class Scatter:
     shards: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def plan(cls, token_counts: Sequence[int], parts: int, chunk: int | None = None) -> Scatter:
-        return cls(tuple(tuple(rows) for rows in shard_rows(token_counts, parts, chunk)))
+    def plan(
+        cls, token_counts: Sequence[int], parts: int, chunk: int | None = None, *, balance: bool = True
+    ) -> Scatter:
+        return cls(tuple(tuple(rows) for rows in shard_rows(token_counts, parts, chunk, balance=balance)))
 
     def gather_rows(self, per_rank: Sequence[Tensor], width: int | None = None) -> Tensor:
         """Per-rank [b_r, T_r] results -> [B, width] in the original row order (zero-padded columns)."""

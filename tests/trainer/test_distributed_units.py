@@ -36,6 +36,8 @@ def test_shard_rows_splits_every_mini_batch_over_the_ranks():
     assert sum(weights[i] for i in shards[0][2:4]) == sum(weights[i] for i in shards[1][2:4]) == 130
     with pytest.raises(ValueError, match="mini-batch of 3 sequences does not split evenly over 2"):
         shard_rows([1] * 7, 2, chunk=4)
+    # trainer.balance_batch=false: consecutive runs of each mini-batch
+    assert shard_rows(weights[:8], 2, chunk=4, balance=False) == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_scatter_puts_rows_back_in_batch_order():

@@ -211,13 +211,16 @@ class RoleGroup:
 
     role_name = "role"
 
-    def __init__(self, pool: ResourcePool, build: Callable, *, share: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self, pool: ResourcePool, build: Callable, *, share: float = 1.0, seed: int = 0, balance: bool = True
+    ) -> None:
         """build(dp, device) -> the role object, run in every rank's process. share: the fraction of each
-        bundle this role takes (1/k when k roles are colocated on the pool)."""
+        bundle this role takes (1/k when k roles are colocated on the pool). balance: deal rows to ranks
+        by tokens (trainer.balance_batch), else in consecutive runs."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.world_size = pool.world_size
+        self.world_size, self.balance = pool.world_size, balance
         self.failure: str | None = None
         remote = ray.remote(RankActor)
         self.actors = [
@@ -278,7 +281,7 @@ class RoleGroup:
     def scatter(self, batch: TrainBatch, chunk: int | None = None) -> tuple[Scatter, list[tuple[TrainBatch]]]:
         """Rows for each rank, balanced by tokens within every `chunk` (mini-batch) of the batch."""
         tokens = (batch.prompt_lengths + batch.response_lengths).tolist()
-        plan = Scatter.plan(tokens, self.world_size, chunk)
+        plan = Scatter.plan(tokens, self.world_size, chunk, balance=self.balance)
         return plan, [(batch.select(list(rows)),) for rows in plan.shards]
 
 
