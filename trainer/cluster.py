@@ -74,84 +74,36 @@ class Groups:
 
 def build_groups(cfg: Config, device: torch.device, precision: Precision, steps: int, pad_id: int) -> Groups:
     """Start (or join) Ray, reserve the GPUs and start every role's ranks, each loading its model."""
-    from trainer import run as settings  # the config -> settings functions the single process uses
-
-    trainer, arr = cfg.trainer, cfg.actor_rollout_ref
+    trainer = cfg.trainer
     how = connect_ray(num_cpus=max(cfg.world_size, os.cpu_count() or 1) if device.type == "cpu" else None)
-    use_gpu = device.type == "cuda"
     roles = 1 + int(cfg.use_reference) + int(cfg.use_critic)
     separate = getattr(trainer, "role_pools", "colocated") == "separate"
     pools = [
-        ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu=use_gpu)
+        ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu=device.type == "cuda")
         for _ in range(roles if separate else 1)
     ]
-    share = 1.0 if separate else 1.0 / roles
-    common = {"share": share, "seed": trainer.seed, "balance": bool(getattr(trainer, "balance_batch", True))}
     pool_of = iter(pools * (1 if separate else roles))
-    n = arr.rollout.n
-    policy_update = UpdateSettings(
-        mini_batch_size=arr.actor.ppo_mini_batch_size * n,
-        micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
-        ppo_epochs=arr.actor.ppo_epochs,
-    )
+    common = {
+        "share": 1.0 if separate else 1.0 / roles,
+        "seed": trainer.seed,
+        "balance": bool(getattr(trainer, "balance_batch", True)),
+    }
+    settings = policy_rank_settings(cfg, precision, steps)
     policy = PolicyGroup(
         next(pool_of),
-        functools.partial(
-            build_policy,
-            PolicyRankSettings(
-                model=model_settings(arr.model, arr.actor.fsdp_config, precision),
-                optim=settings.optimizer_settings(arr.actor.optim, arr.actor.grad_clip, steps),
-                update=policy_update,
-                loss=settings.policy_loss_settings(arr.actor, cfg.data.max_response_length),
-                temperature=arr.rollout.temperature or 1.0,
-                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
-                engine=EngineSettings(),
-            ),
-        ),
-        mini_batch_size=policy_update.mini_batch_size,
-        ppo_epochs=policy_update.ppo_epochs,
+        functools.partial(build_policy, settings),
+        mini_batch_size=settings.update.mini_batch_size,
+        ppo_epochs=settings.update.ppo_epochs,
         **common,
     )
     reference = critic = None
     if cfg.use_reference:
-        reference = ReferenceGroup(
-            next(pool_of),
-            functools.partial(
-                build_reference,
-                ReferenceRankSettings(
-                    model=model_settings(arr.model, arr.ref.fsdp_config, precision, trainable=False),
-                    temperature=arr.rollout.temperature or 1.0,
-                    micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
-                ),
-            ),
-            **common,
-        )
+        build = functools.partial(build_reference, reference_rank_settings(cfg, precision))
+        reference = ReferenceGroup(next(pool_of), build, **common)
     if cfg.use_critic:
-        critic_cfg = cfg.critic
-        critic_update = UpdateSettings(
-            mini_batch_size=critic_cfg.ppo_mini_batch_size * n,
-            micro_batch_size=critic_cfg.ppo_micro_batch_size_per_gpu,
-            ppo_epochs=critic_cfg.ppo_epochs,
-        )
-        critic = CriticGroup(
-            next(pool_of),
-            functools.partial(
-                build_critic,
-                CriticRankSettings(
-                    model=model_settings(critic_cfg.model, critic_cfg.model.fsdp_config, precision),
-                    optim=settings.optimizer_settings(critic_cfg.optim, critic_cfg.grad_clip, steps),
-                    update=critic_update,
-                    loss=ValueLossSettings(
-                        cliprange_value=critic_cfg.cliprange_value,
-                        loss_agg_mode=critic_cfg.loss_agg_mode,
-                        max_response_len=cfg.data.max_response_length,
-                    ),
-                    forward_micro_batch_size=critic_cfg.forward_micro_batch_size_per_gpu,
-                ),
-            ),
-            mini_batch_size=critic_update.mini_batch_size,
-            **common,
-        )
+        settings = critic_rank_settings(cfg, precision, steps)
+        build = functools.partial(build_critic, settings)
+        critic = CriticGroup(next(pool_of), build, mini_batch_size=settings.update.mini_batch_size, **common)
     log.info(
         "%s; %d rank(s) per role on %d node(s), roles %s",
         how,
@@ -160,6 +112,59 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
         "on separate GPUs" if separate else "colocated",
     )
     return Groups(policy, reference, critic, GroupRolloutEngine(policy, pad_id), pools)
+
+
+# ------------------------------------------------------------------------------ config -> rank settings
+# The same config keys the single process reads (trainer/run.py), turned into settings for every rank.
+
+
+def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> PolicyRankSettings:
+    from trainer.run import optimizer_settings, policy_loss_settings
+
+    arr = cfg.actor_rollout_ref
+    return PolicyRankSettings(
+        model=model_settings(arr.model, arr.actor.fsdp_config, precision),
+        optim=optimizer_settings(arr.actor.optim, arr.actor.grad_clip, steps),
+        update=UpdateSettings(
+            mini_batch_size=arr.actor.ppo_mini_batch_size * arr.rollout.n,
+            micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=arr.actor.ppo_epochs,
+        ),
+        loss=policy_loss_settings(arr.actor, cfg.data.max_response_length),
+        temperature=arr.rollout.temperature or 1.0,
+        log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+        engine=EngineSettings(),
+    )
+
+
+def reference_rank_settings(cfg: Config, precision: Precision) -> ReferenceRankSettings:
+    arr = cfg.actor_rollout_ref
+    return ReferenceRankSettings(
+        model=model_settings(arr.model, arr.ref.fsdp_config, precision, trainable=False),
+        temperature=arr.rollout.temperature or 1.0,
+        micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+    )
+
+
+def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> CriticRankSettings:
+    from trainer.run import optimizer_settings
+
+    critic = cfg.critic
+    return CriticRankSettings(
+        model=model_settings(critic.model, critic.model.fsdp_config, precision),
+        optim=optimizer_settings(critic.optim, critic.grad_clip, steps),
+        update=UpdateSettings(
+            mini_batch_size=critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n,
+            micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=critic.ppo_epochs,
+        ),
+        loss=ValueLossSettings(
+            cliprange_value=critic.cliprange_value,
+            loss_agg_mode=critic.loss_agg_mode,
+            max_response_len=cfg.data.max_response_length,
+        ),
+        forward_micro_batch_size=critic.forward_micro_batch_size_per_gpu,
+    )
 
 
 def model_settings(model, fsdp, precision: Precision, *, trainable: bool = True) -> ModelSettings:
