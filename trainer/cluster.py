@@ -101,9 +101,10 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
         build = functools.partial(build_reference, reference_rank_settings(cfg, precision))
         reference = ReferenceGroup(next(pool_of), build, **common)
     if cfg.use_critic:
-        settings = critic_rank_settings(cfg, precision, steps)
-        build = functools.partial(build_critic, settings)
-        critic = CriticGroup(next(pool_of), build, mini_batch_size=settings.update.mini_batch_size, **common)
+        critic_settings = critic_rank_settings(cfg, precision, steps)
+        build = functools.partial(build_critic, critic_settings)
+        mini_batch_size = critic_settings.update.mini_batch_size
+        critic = CriticGroup(next(pool_of), build, mini_batch_size=mini_batch_size, **common)
     log.info(
         "%s; %d rank(s) per role on %d node(s), roles %s",
         how,
