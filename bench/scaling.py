@@ -16,6 +16,8 @@ over the steps after the first (warm-up):
     throughput(W) / throughput(1) (tokens/s per GPU; 1.0 is perfect).
 
 Extra `key=value` arguments go to every run (e.g. actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16).
+On the offline GPU machines: `bash bench/gpu_prepare.sh` here first (wheels incl. a slimmed Ray, and
+GSM8K, in .gpu/), then one device call; its header has the command line.
 """
 
 from __future__ import annotations
