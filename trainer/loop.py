@@ -397,10 +397,6 @@ async def build_run(cfg: Config) -> Run:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     device = resolve_device(trainer.device)
     precision = default_precision(device, trainer.mixed_precision)
-    if arr.rollout.name in ("sglang", "vllm"):
-        log.warning(
-            f"rollout.name={arr.rollout.name}: that engine is not wired in yet; using the built-in engine"
-        )
     tokenizer = load_tokenizer(
         cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
     )
@@ -589,7 +585,7 @@ def policy_loss_settings(cfg: Config) -> PolicyLossSettings:
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
-        max_response_len=cfg.data.max_response_length,
+        max_response_len=actor.loss_scale_factor,
     )
 
 

@@ -69,8 +69,9 @@ args=(
   trainer.resume_mode=auto
 )
 [ -n "$TOTAL_STEPS" ] && args+=("trainer.total_training_steps=$TOTAL_STEPS")
-[ -n "${DATA_SERVER_URL:-}" ] && args+=("services.data_url=$DATA_SERVER_URL")
-[ -n "${REWARD_SERVER_URL:-}" ] && args+=("services.reward_url=$REWARD_SERVER_URL")
+# Quoted: Hydra reads an unquoted a,b as a sweep; the trainer splits the quoted list into replicas.
+[ -n "${DATA_SERVER_URL:-}" ] && args+=("services.data_url='$DATA_SERVER_URL'")
+[ -n "${REWARD_SERVER_URL:-}" ] && args+=("services.reward_url='$REWARD_SERVER_URL'")
 if [ "$USE_RETRIEVAL" = 1 ]; then
   if [ -z "${RETRIEVAL_SERVER_URL:-}" ]; then
     echo "error: USE_RETRIEVAL=1 but RETRIEVAL_SERVER_URL is not set" >&2
@@ -78,7 +79,7 @@ if [ "$USE_RETRIEVAL" = 1 ]; then
   fi
   # The search tool's endpoint. Multi-turn tool rollouts themselves are switched on with the extra key
   # actor_rollout_ref.rollout.multi_turn.enable=True once the trainer supports them.
-  args+=("services.retrieval_url=$RETRIEVAL_SERVER_URL")
+  args+=("services.retrieval_url='$RETRIEVAL_SERVER_URL'")
 fi
 
 cmd=("${PYTHON:-python}" -m trainer.main_ppo "${args[@]}" "$@")
