@@ -1,4 +1,4 @@
-"""The docs cannot drift: docs/config.md is the config model's reference, the README's test command is CI's."""
+"""The docs cannot drift: docs/config.md is the schema's reference; the README's test command is CI's."""
 
 import re
 
