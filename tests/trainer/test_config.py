@@ -93,6 +93,49 @@ python3 -m verl.trainer.main_ppo \
     trainer.total_epochs=15 $@
 """
 
+# verl's GSM8K GRPO quickstart for Qwen3 (the Qwen3 page of verl's docs), verbatim: 1024 prompts per
+# step in mini-batches of 80, which verl accepts (the 13th mini-batch has 64 prompts).
+QWEN3_QUICKSTART = r"""
+python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=grpo \
+    data.train_files=$HOME/data/gsm8k/train.parquet \
+    data.val_files=$HOME/data/gsm8k/test.parquet \
+    data.train_batch_size=1024 \
+    data.max_prompt_length=512 \
+    data.max_response_length=1024 \
+    data.filter_overlong_prompts=True \
+    data.truncation='error' \
+    actor_rollout_ref.model.path=Qwen/Qwen3-1.7B \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.actor.ppo_mini_batch_size=80 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=20 \
+    actor_rollout_ref.actor.use_kl_loss=True \
+    actor_rollout_ref.actor.kl_loss_coef=0.001 \
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+    actor_rollout_ref.actor.entropy_coeff=0 \
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \
+    actor_rollout_ref.actor.fsdp_config.param_offload=False \
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=20 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
+    actor_rollout_ref.rollout.n=3 \
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=20 \
+    actor_rollout_ref.ref.fsdp_config.param_offload=True \
+    algorithm.use_kl_in_reward=False \
+    trainer.critic_warmup=0 \
+    trainer.logger=['console'] \
+    trainer.project_name='verl_grpo_example_gsm8k' \
+    trainer.experiment_name='qwen3_1_7b_function_rm' \
+    trainer.n_gpus_per_node=1 \
+    trainer.nnodes=1 \
+    trainer.save_freq=-1 \
+    trainer.test_freq=5 \
+    trainer.total_epochs=15 $@
+"""
+
 # The same two commands with a small local model and sizes for one CPU/GPU; nothing else changed.
 SMALL = {
     PPO_QUICKSTART: {
@@ -115,6 +158,16 @@ SMALL = {
         "tensor_model_parallel_size=2": "tensor_model_parallel_size=1",
         "trainer.n_gpus_per_node=8": "trainer.n_gpus_per_node=1",
         "trainer.total_epochs=15": "trainer.total_epochs=1",
+    },
+    # the same uneven split at CPU size: 10 prompts in mini-batches of 4 (4 + 4 + 2), x 3 responses
+    QWEN3_QUICKSTART: {
+        "data.train_batch_size=1024": "data.train_batch_size=10",
+        "data.max_response_length=1024": "data.max_response_length=8",
+        "actor_rollout_ref.model.path=Qwen/Qwen3-1.7B": "actor_rollout_ref.model.path=$HOME/models/tiny",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=80": "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "ppo_micro_batch_size_per_gpu=20": "ppo_micro_batch_size_per_gpu=4",
+        "log_prob_micro_batch_size_per_gpu=20": "log_prob_micro_batch_size_per_gpu=6",
+        "trainer.total_epochs=15": "trainer.total_epochs=1 trainer.total_training_steps=2",
     },
 }
 
@@ -162,6 +215,17 @@ def test_seed_commands_parse_as_written(home, command):
             "trainer.nnodes * trainer.n_gpus_per_node = 8 GPUs: multi-GPU training is not built yet; this "
             "trainer runs one process on one GPU (or the CPU). Set trainer.nnodes=1 trainer.n_gpus_per_node=1"
         ]
+
+
+def test_qwen3_quickstart_is_accepted_as_written(home, monkeypatch):
+    monkeypatch.delenv("REWARD_SERVER_URL", raising=False)
+    config = load_config(argv_of(QWEN3_QUICKSTART))
+    arr = config.actor_rollout_ref
+    assert (config.data.train_batch_size, arr.actor.ppo_mini_batch_size) == (1024, 80)  # 12 x 80 + 64
+    assert arr.actor.ppo_micro_batch_size_per_gpu == 20  # 80 x 3 = 240 sequences per GPU, 12 micro-batches
+    assert config.reward_model.mode == "local"  # verl's default: scored in-process, no reward-server
+    assert arr.rollout.name == "vllm" and arr.rollout.engine == "hf"
+    assert config.notices()[0].startswith("rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet")
 
 
 def test_ppo_quickstart_small(home):
