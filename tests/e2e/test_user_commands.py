@@ -56,7 +56,8 @@ def test_qwen3_grpo_quickstart_runs_as_written(verl_home, monkeypatch):
     ]
     (no_effect,) = [line for line in lines if line.startswith("accepted, no effect here: ")]
     assert "actor_rollout_ref.ref.fsdp_config.param_offload" in no_effect
-    assert "reward_model:" in lines and "  mode: local" in lines  # rewards scored in-process: nothing waited for 127.0.0.1:8001
+    # rewards scored in-process: nothing waits for a reward-server at 127.0.0.1:8001
+    assert "reward_model:" in lines and "  mode: local" in lines
     run_dir = verl_home / "runs" / "verl_grpo_example_gsm8k" / "qwen3_1_7b_function_rm"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == {"rollout_engine": "hf", "rollout_engine_requested": "vllm"}
