@@ -331,6 +331,8 @@ def test_main_ppo_dry_run_prints_resolved_config(home):
         (["~trainer.loger"], "unknown key 'trainer.loger'; did you mean 'trainer.logger'?"),
         (["trainer.seed=3", "~trainer.seed=4"], "~trainer.seed=4: its value is 3, not that"),
         (["trainer.nnodes=2"], "2 GPUs: multi-GPU training is not built yet"),
+        (["trainer.logger={a: 1}"], "trainer.logger: Input should be a valid list"),  # a map for a list
+        (["trainer.logger=[x]", "trainer.logger={a: 1}"], "trainer.logger: Input should be a valid list"),
         (["trainer.experiment_name=${oc.env:RL_JOBGROUP_TEST_UNSET}"], "RL_JOBGROUP_TEST_UNSET"),
         (["data.train_files=/nope/train.parquet"], "data.train_files: /nope/train.parquet does not exist"),
         (

@@ -22,7 +22,6 @@ reported. Pydantic then types and bounds every value.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +163,10 @@ def apply_override(tree: DictConfig, text: str, defaults: DictConfig) -> str | N
     key, value = override.key_or_group, _typed_value(override, text)
     problem = keys.key_problem(key, value)
     if problem is None:
-        OmegaConf.update(tree, key, value, merge=True, force_add=True)
+        try:
+            OmegaConf.update(tree, key, value, merge=True, force_add=True)
+        except OmegaConfBaseException:  # a map given where a list was (or the reverse): the new one wins
+            OmegaConf.update(tree, key, value, merge=False, force_add=True)
     return problem
 
 
@@ -192,11 +194,21 @@ def defaults_tree() -> dict:
     return raw.model_dump(mode="json")
 
 
+def overlay(base: dict, extra: dict) -> dict:
+    """`extra` over `base`: maps merge key by key, anything else is replaced (a list is not merged)."""
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = overlay(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def resolve(user: dict, defaults: dict) -> dict:
     """The user's tree over the defaults, every `${...}` resolved by OmegaConf."""
-    merged = OmegaConf.merge(OmegaConf.create(defaults), OmegaConf.create(user))
     try:
-        return OmegaConf.to_container(merged, resolve=True)
+        return OmegaConf.to_container(OmegaConf.create(overlay(defaults, user)), resolve=True)
     except OmegaConfBaseException as exc:
         where = f"{exc.full_key}: " if getattr(exc, "full_key", None) else ""
         raise ConfigError([f"{where}{str(exc).splitlines()[0]}"]) from None
@@ -210,14 +222,15 @@ def load_config(argv: list[str], *, check: bool = True) -> Config:
     """
     files, overrides = split_argv(argv)
     defaults = defaults_tree()
-    tree = OmegaConf.create({})
+    merged: dict = {}
     for file in files:
-        tree = OmegaConf.merge(tree, read_yaml_config(file))
-    problems = [p for text in overrides if (p := apply_override(tree, text, OmegaConf.create(defaults)))]
+        merged = overlay(merged, OmegaConf.to_container(read_yaml_config(file), resolve=False))
+    tree, base = OmegaConf.create(merged), OmegaConf.create(defaults)
+    problems = [p for text in overrides if (p := apply_override(tree, text, base))]
     user = OmegaConf.to_container(tree, resolve=False)
     no_effect = pop_no_effect(user)
     problems += keys.check_keys(user)
-    resolved = resolve(user, copy.deepcopy(defaults))
+    resolved = resolve(user, defaults)
     keys.nulls_from_none_text(resolved)
     try:
         config = Config.model_validate(resolved)
