@@ -131,14 +131,16 @@ def _typed_value(override: Override, text: str) -> Any:
     return value
 
 
-def _current(tree: DictConfig, defaults: DictConfig, key: str) -> Any:
+def _current(tree: DictConfig, defaults: dict, key: str) -> Any:
     value = OmegaConf.select(tree, key, default=None, throw_on_resolution_failure=False)
     if value is None:
-        value = OmegaConf.select(defaults, key, default=None, throw_on_resolution_failure=False)
+        value = defaults
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
     return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
 
 
-def _delete(tree: DictConfig, override: Override, defaults: DictConfig) -> str | None:
+def _delete(tree: DictConfig, override: Override, defaults: dict) -> str | None:
     key = override.key_or_group
     if not is_no_effect(key) and keys.field_at(key.split(".")) is None:
         return keys.unknown_key_message(key)
@@ -153,7 +155,7 @@ def _delete(tree: DictConfig, override: Override, defaults: DictConfig) -> str |
     return None
 
 
-def apply_override(tree: DictConfig, text: str, defaults: DictConfig) -> str | None:
+def apply_override(tree: DictConfig, text: str, defaults: dict) -> str | None:
     """Apply one override to the user's tree; the problem when it cannot be applied."""
     override, problem = parse_override(text)
     if override is None:
@@ -225,8 +227,8 @@ def load_config(argv: list[str], *, check: bool = True) -> Config:
     merged: dict = {}
     for file in files:
         merged = overlay(merged, OmegaConf.to_container(read_yaml_config(file), resolve=False))
-    tree, base = OmegaConf.create(merged), OmegaConf.create(defaults)
-    problems = [p for text in overrides if (p := apply_override(tree, text, base))]
+    tree = OmegaConf.create(merged)
+    problems = [p for text in overrides if (p := apply_override(tree, text, defaults))]
     user = OmegaConf.to_container(tree, resolve=False)
     no_effect = pop_no_effect(user)
     problems += keys.check_keys(user)
