@@ -52,8 +52,7 @@ log = logging.getLogger("trainer")
 
 def use_ray(cfg: Config) -> bool:
     """Ray role groups, or the workers in this process."""
-    choice = getattr(cfg.trainer, "use_ray", None)
-    return cfg.world_size > 1 if choice is None else bool(choice)
+    return cfg.uses_ray
 
 
 @dataclass
@@ -77,7 +76,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
     trainer = cfg.trainer
     how = connect_ray(num_cpus=max(cfg.world_size, os.cpu_count() or 1) if device.type == "cpu" else None)
     roles = 1 + int(cfg.use_reference) + int(cfg.use_critic)
-    separate = getattr(trainer, "role_pools", "colocated") == "separate"
+    separate = trainer.role_pools == "separate"
     pools = [
         ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu=device.type == "cuda")
         for _ in range(roles if separate else 1)
@@ -86,7 +85,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
     common = {
         "share": 1.0 if separate else 1.0 / roles,
         "seed": trainer.seed,
-        "balance": bool(getattr(trainer, "balance_batch", True)),
+        "balance": trainer.balance_batch,
     }
     settings = policy_rank_settings(cfg, precision, steps)
     policy = PolicyGroup(
@@ -127,7 +126,7 @@ def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> Polic
         model=model_settings(arr.model, arr.actor.fsdp_config, precision),
         optim=optimizer_settings(arr.actor.optim, arr.actor.grad_clip, steps),
         update=UpdateSettings(
-            mini_batch_size=arr.actor.ppo_mini_batch_size * arr.rollout.n,
+            mini_batch_size=whole_ranks(arr.actor.ppo_mini_batch_size * arr.rollout.n, cfg.world_size),
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=arr.actor.ppo_epochs,
         ),
@@ -155,7 +154,9 @@ def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> Criti
         model=model_settings(critic.model, critic.model.fsdp_config, precision),
         optim=optimizer_settings(critic.optim, critic.grad_clip, steps),
         update=UpdateSettings(
-            mini_batch_size=critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n,
+            mini_batch_size=whole_ranks(
+                critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n, cfg.world_size
+            ),
             micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
             ppo_epochs=critic.ppo_epochs,
         ),
@@ -168,13 +169,18 @@ def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> Criti
     )
 
 
+def whole_ranks(sequences: int, world_size: int) -> int:
+    """A mini-batch as verl sizes it on `world_size` GPUs: each takes the floor of its share."""
+    return sequences // world_size * world_size
+
+
 def model_settings(model, fsdp, precision: Precision, *, trainable: bool = True) -> ModelSettings:
     """actor_rollout_ref.model / critic.model and their fsdp_config, for every rank."""
     return ModelSettings(
         path=model.path,
         trust_remote_code=bool(model.trust_remote_code),
         gradient_checkpointing=trainable and bool(model.enable_gradient_checkpointing),
-        remove_padding=bool(getattr(model, "use_remove_padding", False)),
+        remove_padding=bool(model.use_remove_padding),
         fsdp=FSDPSettings(
             # bf16 compute on gathered parameters where the single process would autocast to bf16
             param_dtype=precision.autocast_dtype,

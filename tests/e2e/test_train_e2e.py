@@ -21,13 +21,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from services.data_server.export import write_verl_parquet
 from services.data_server.sources import gsm8k_row
 from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
 from tests.trainer.test_config import GRPO_QWEN3, PPO_QUICKSTART, argv_of, small
-from trainer.checkpoint import load_train_state
+from trainer.checkpoint import load_role_weights, load_train_state
 from testing.tiny import make_tiny_model
 
 # Every answer is 7: a policy that ends its response with the digit 7 scores 1 (gsm8k, flexible).
@@ -186,8 +185,8 @@ def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
     assert not (split / "ckpt" / "global_step_4").exists()
     resumed = train(common_args(tiny_model, split, 4) + files)
     assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
-    a = load_file(straight / "ckpt/global_step_4/actor/model.safetensors")
-    b = load_file(split / "ckpt/global_step_4/actor/model.safetensors")
+    a = load_role_weights(straight / "ckpt/global_step_4/actor")
+    b = load_role_weights(split / "ckpt/global_step_4/actor")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
     # the data cursor and the tracker's run id travelled with the checkpoint
@@ -320,15 +319,20 @@ def verl_home(tmp_path, tiny_model, seven_data):
 @pytest.mark.parametrize("command", [PPO_QUICKSTART, GRPO_QWEN3], ids=["ppo-quickstart", "grpo-qwen3"])
 def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(verl_home))
-    port = free_port()
-    reward = start_reward_server(port)
     env = {
         "HOME": str(verl_home),
-        "REWARD_SERVER_URL": f"http://127.0.0.1:{port}",
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path),
         "PYTHONUNBUFFERED": "1",
     }
+    # The PPO quickstart runs as verl's users run it, with no reward-server: scored in-process. The GRPO
+    # command runs as the job group does, with REWARD_SERVER_URL set: scored by the reward-server.
+    reward = None
+    if command is GRPO_QWEN3:
+        port = free_port()
+        reward = start_reward_server(port)
+        env["REWARD_SERVER_URL"] = f"http://127.0.0.1:{port}"
+    base = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_URL"}
     try:
         done = subprocess.run(
             [sys.executable, "-m", "trainer.main_ppo", *argv_of(small(command))],
@@ -336,11 +340,13 @@ def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path)
             capture_output=True,
             text=True,
             timeout=600,
-            env={**os.environ, **env},
+            env={**base, **env},
         )
     finally:
-        stop_process(reward)
+        if reward is not None:
+            stop_process(reward)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"  mode: {'server' if reward else 'local'}" in done.stdout.splitlines()
     assert "step:1 - " in done.stdout
     assert "val-core/openai/gsm8k/acc/mean@1" in done.stdout
     if command is PPO_QUICKSTART:
