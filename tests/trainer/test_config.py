@@ -262,19 +262,18 @@ def test_grpo_qwen3_small(home):
     assert config.trainer.default_local_dir == "checkpoints/verl_grpo_example_gsm8k/qwen3_8b_function_rm"
     assert config.world_size == 1
     # verl keys that change nothing here: accepted, not typed, named once at start
-    assert config.no_effect_keys == [
-        "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
-        "actor_rollout_ref.actor.fsdp_config.param_offload",
-        "actor_rollout_ref.model.use_remove_padding",
-        "actor_rollout_ref.ref.fsdp_config.param_offload",
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
-    ]
+    assert config.no_effect_keys == ["actor_rollout_ref.rollout.gpu_memory_utilization"]
+    assert arr.model.use_remove_padding and arr.ref.fsdp_config.param_offload
+    assert not arr.actor.fsdp_config.param_offload and config.critic.model.use_remove_padding  # the policy's
+    # the offload is typed but acts only on sharded (Ray) runs: this one-GPU run says so at start
     assert config.notices() == [
         "rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet; the built-in engine (hf: "
         "transformers generate) generates instead",
-        "accepted, no effect here: " + ", ".join(config.no_effect_keys),
+        "fsdp: actor_rollout_ref.ref.fsdp_config.param_offload act in Ray runs only (more than one GPU, or "
+        "trainer.use_ray=true); this run is one process",
+        "accepted, no effect here: actor_rollout_ref.rollout.gpu_memory_utilization",
     ]
-    assert "param_offload" not in config.resolved_yaml()
+    assert "param_offload: true" in config.resolved_yaml()
 
 
 def test_main_ppo_dry_run_prints_resolved_config(home):
@@ -295,10 +294,12 @@ def test_main_ppo_dry_run_prints_resolved_config(home):
     assert "ppo_micro_batch_size_per_gpu: 8" in done.stdout
     lines = done.stdout.splitlines()
     assert [line for line in lines if line.startswith("accepted, no effect here: ")] == [
-        "accepted, no effect here: actor_rollout_ref.actor.fsdp_config.optimizer_offload, "
-        "actor_rollout_ref.actor.fsdp_config.param_offload, actor_rollout_ref.model.use_remove_padding, "
-        "actor_rollout_ref.ref.fsdp_config.param_offload, actor_rollout_ref.rollout.gpu_memory_utilization"
+        "accepted, no effect here: actor_rollout_ref.rollout.gpu_memory_utilization"
     ]
+    assert (
+        sum(line.startswith("fsdp: actor_rollout_ref.ref.fsdp_config.param_offload act in") for line in lines)
+        == 1
+    )
     assert sum("not wired in yet" in line for line in lines) == 1
 
 
@@ -594,7 +595,7 @@ def test_yaml_through_omegaconf_then_overrides(tmp_path, monkeypatch):
         "actor_rollout_ref:\n"
         "  actor:\n"
         "    optim: {lr: '${oc.env:RL_JOBGROUP_TEST_LR,1e-6}'}\n"
-        "    fsdp_config: {param_offload: true}\n"  # a verl key with no effect: accepted, reported
+        "    fsdp_config: {wrap_policy: {min_num_params: 0}}\n"  # a no-effect verl key: accepted, reported
         "  rollout: {n: 4, stop: [x]}\n"
         "trainer: {experiment_name: base, logger: [console, jsonl], seed: 5}\n"
     )
@@ -607,7 +608,7 @@ def test_yaml_through_omegaconf_then_overrides(tmp_path, monkeypatch):
     assert config.actor_rollout_ref.rollout.stop == ["x"]  # the later file merged in, not replaced
     assert config.trainer.experiment_name == "extra" and config.trainer.logger == ["console", "jsonl"]
     assert config.trainer.seed == 1  # ~ dropped the file's value
-    assert config.no_effect_keys == ["actor_rollout_ref.actor.fsdp_config.param_offload"]
+    assert config.no_effect_keys == ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"]
 
 
 def test_services_urls_come_from_env(monkeypatch):
@@ -694,8 +695,10 @@ def test_reference_markdown_covers_every_key():
     assert "| `actor_rollout_ref.rollout.prompt_length` | int or null | null |" in markdown
     assert "`$DATA_SERVER_URL`, else `http://127.0.0.1:8000`" in markdown
     assert "`$REWARD_SERVER_URL`, else `none`" in markdown
-    assert "fsdp_config" not in markdown.split("## verl keys accepted with no effect")[0]  # no-effect keys
-    assert "`actor_rollout_ref.actor.fsdp_config`" in markdown  # ... are named once, after the tables
+    tables = markdown.split("## verl keys accepted with no effect")[0]
+    assert "ulysses_sequence_parallel_size" not in tables and "fsdp_config.wrap_policy" not in tables
+    assert "`actor_rollout_ref.actor.fsdp_config.wrap_policy`" in markdown  # no-effect keys: named once,
+    assert "`actor_rollout_ref.actor.ulysses_sequence_parallel_size`" in markdown  # after the tables
     done = subprocess.run(
         [sys.executable, "-m", "trainer.config", "--markdown"],
         cwd=ROOT,

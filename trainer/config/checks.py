@@ -48,9 +48,29 @@ def notices(config: Config) -> list[str]:
         )
     if rollout.n > 1 and not rollout.do_sample:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
+    offloads = one_process_offloads(config)
+    if offloads:
+        lines.append(
+            "fsdp: " + ", ".join(offloads) + " act in Ray runs only (more than one GPU, or "
+            "trainer.use_ray=true); this run is one process"
+        )
     if config.no_effect_keys:
         lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
     return lines
+
+
+def one_process_offloads(config: Config) -> list[str]:
+    """The fsdp_config offload keys set in a run without Ray, where nothing is sharded or offloaded."""
+    if config.uses_ray:
+        return []
+    arr = config.actor_rollout_ref
+    sections = {
+        "actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
+        "actor_rollout_ref.ref.fsdp_config": arr.ref.fsdp_config,
+        "critic.model.fsdp_config": config.critic.model.fsdp_config,
+    }
+    keys = ("param_offload", "optimizer_offload", "offload_policy")
+    return [f"{prefix}.{key}" for prefix, fsdp in sections.items() for key in keys if getattr(fsdp, key)]
 
 
 # ---------------------------------------------------------------------------------------- batch sizes
