@@ -130,7 +130,7 @@ def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> Polic
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=arr.actor.ppo_epochs,
         ),
-        loss=policy_loss_settings(arr.actor, cfg.data.max_response_length),
+        loss=policy_loss_settings(arr.actor),
         temperature=arr.rollout.temperature or 1.0,
         log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
         engine=EngineSettings(),

@@ -199,7 +199,8 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
     from trainer.workers.ranks import CriticRankSettings, build_critic
 
     settings = CriticRankSettings(
-        model=ModelSettings(path=str(model_dir), remove_padding=True),
+        # the ranks also recompute activations in backward (gradient checkpointing under FSDP2)
+        model=ModelSettings(path=str(model_dir), remove_padding=True, gradient_checkpointing=True),
         optim=optim(),
         update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH),
         loss=ValueLossSettings(cliprange_value=0.5, loss_agg_mode="token-mean"),
