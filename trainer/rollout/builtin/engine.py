@@ -34,6 +34,10 @@ from trainer.rollout.builtin.sampler import needs_floor, sample, sampling_floors
 MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's names for what release/resume_memory_occupation frees
 
 
+class EngineStateError(RuntimeError):
+    """The call conflicts with the engine's state (e.g. generating while its memory is released)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_running: int = 256  # KV slots: the most sequences decoded together
@@ -131,6 +135,10 @@ class BuiltinEngine:
         rid: str | None = None,
     ) -> str:
         """Queue one prompt for sampling.n samples; on_done(outputs) runs when all of them finished."""
+        if self.released:
+            raise EngineStateError(
+                f"memory is released ({', '.join(sorted(self.released))}); resume_memory_occupation first"
+            )
         self._check(prompt, sampling)
         request = _Request(rid or uuid.uuid4().hex, list(prompt), sampling, on_done)
         base = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -168,9 +176,7 @@ class BuiltinEngine:
     def step(self) -> None:
         """Admit, launch one decode step, read back everything but the newest launch."""
         if self.released:
-            raise RuntimeError(
-                f"engine memory is released ({', '.join(sorted(self.released))}); resume first"
-            )
+            raise EngineStateError(f"memory is released ({', '.join(sorted(self.released))}); resume first")
         self._admit()
         rows = [s for s in self.running.values() if s.finish is None and s.launched < s.max_new]
         if rows:
@@ -195,7 +201,7 @@ class BuiltinEngine:
     def load_weights(self, state: Mapping[str, Tensor], *, strict: bool = True) -> int:
         """Copy transformers-named weights into the engine (in place: captured graphs stay valid)."""
         if "weights" in self.released:
-            raise RuntimeError("weights are released; resume_memory_occupation(['weights']) first")
+            raise EngineStateError("weights are released; resume_memory_occupation(['weights']) first")
         return self.model.load(state, strict=strict)
 
     def release(self, tags: Sequence[str] | None = None) -> None:
@@ -205,7 +211,7 @@ class BuiltinEngine:
         if unknown:
             raise ValueError(f"unknown memory tags {sorted(unknown)}; known: {list(MEMORY_TAGS)}")
         if self.has_work:
-            raise RuntimeError("cannot release memory while requests are running")
+            raise EngineStateError("cannot release memory while requests are running")
         self.runner = self.cache = self.last_token = None
         self._rows, self._inputs = [], None
         if "weights" in tags and "weights" not in self.released:
