@@ -49,6 +49,19 @@ def error_message(response: httpx.Response) -> str:
     return response.text[:500]
 
 
+def host_tensors(named_tensors: Mapping) -> dict:
+    """Contiguous CPU copies for safetensors, each storage once: tied weights (lm_head = embed_tokens)
+    keep their first name only, and the receiving engine ties them again."""
+    seen, out = set(), {}
+    for name, tensor in named_tensors.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
 class HttpReplica:
     def __init__(
         self, url: str, *, timeout_s: float = 3600.0, token: str | None = None, name: str | None = None
@@ -92,9 +105,8 @@ class HttpReplica:
         """The built-in server's form of the route: one base64 safetensors payload (see protocol.py)."""
         from safetensors.torch import save
 
-        tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors.items()}
         payload = {
-            "serialized_named_tensors": [base64.b64encode(save(tensors)).decode()],
+            "serialized_named_tensors": [base64.b64encode(save(host_tensors(named_tensors))).decode()],
             "load_format": SAFETENSORS_FORMAT,
             "weight_version": weight_version,
         }

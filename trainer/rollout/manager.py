@@ -139,15 +139,15 @@ class RolloutManager:
         if isinstance(source, Mapping):
             from safetensors.torch import save_file
 
+            from trainer.rollout.client import host_tensors
+
             if self.config_dir is None:
                 raise ValueError("load_weights(state_dict) for HTTP replicas needs config_dir")
             staging.mkdir(parents=True)
             for name in ("config.json", "generation_config.json"):
                 if (Path(self.config_dir) / name).exists():
                     shutil.copy(Path(self.config_dir) / name, staging / name)
-            save_file(
-                {k: v.detach().contiguous().cpu() for k, v in source.items()}, staging / "model.safetensors"
-            )
+            save_file(host_tensors(source), staging / "model.safetensors")
         else:
             source.save_pretrained(staging, safe_serialization=True)
         shutil.rmtree(folder, ignore_errors=True)
