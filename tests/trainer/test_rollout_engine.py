@@ -53,12 +53,19 @@ def encode(tok, questions=QUESTIONS) -> list[list[int]]:
 
 def engine_for(model, tok, **config):
     config = {"max_running": 8, "context_length": 96, **config}
-    return load_engine(model, tokenizer=tok, config=EngineConfig(**config))
+    weight = next(model.parameters())
+    return load_engine(
+        model, tokenizer=tok, dtype=weight.dtype, device=weight.device, config=EngineConfig(**config)
+    )
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0
+        torch.tensor([prompt], device=model.device),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
 

@@ -239,7 +239,13 @@ class BuiltinEngine:
         self.last_token = torch.zeros(cfg.max_running + 1, dtype=torch.int64, device=self.device)
         attend = kernels.decode_attention if self.fused else torch_decode_attention
         self.runner = DecodeRunner(
-            self.model, self.cache, self.last_token, attend, cfg.max_running, self.use_graphs
+            self.model,
+            self.cache,
+            self.last_token,
+            attend,
+            cfg.max_running,
+            self.use_graphs,
+            fused=self.fused,
         )
         self.free_slots = list(range(cfg.max_running - 1, -1, -1))
 
@@ -298,12 +304,8 @@ class BuiltinEngine:
         expand = torch.tensor([i for i, r in enumerate(requests) for _ in r.seqs], device=device)
         if len(rows) > len(requests):
             logits = logits[expand]
-        inputs = StepInputs(
-            slots=np.array([s.slot for s in rows], dtype=np.int64),
-            lengths=np.array([len(s.request.prompt) for s in rows], dtype=np.int64),
-            seeds=token_seeds(np.array([s.base_seed for s in rows]), np.zeros(len(rows), dtype=np.int64)),
-            temperatures=np.array([s.request.sampling.temperature for s in rows], dtype=np.float32),
-        )
+        inputs = _inputs_of(rows)
+        inputs.seeds = token_seeds(inputs.seeds, np.zeros(len(rows), dtype=np.int64))
         self._sample_and_read(rows, logits, inputs, staged=None)
 
     def _step_inputs(self, rows: list[_Seq]) -> StepInputs:
@@ -316,12 +318,7 @@ class BuiltinEngine:
             self._inputs.lengths += 1
         else:
             self._rows = rows
-            self._inputs = StepInputs(
-                slots=np.array([s.slot for s in rows], dtype=np.int64),
-                lengths=np.array([len(s.request.prompt) + s.launched for s in rows], dtype=np.int64),
-                seeds=np.array([s.base_seed for s in rows], dtype=np.int64),  # base; mixed below
-                temperatures=np.array([s.request.sampling.temperature for s in rows], dtype=np.float32),
-            )
+            self._inputs = _inputs_of(rows)
             self._prompt_lengths = np.array([len(s.request.prompt) for s in rows], dtype=np.int64)
             self._base_seeds = self._inputs.seeds.copy()
         self._inputs.seeds = token_seeds(self._base_seeds, self._inputs.lengths - self._prompt_lengths)
@@ -342,7 +339,7 @@ class BuiltinEngine:
         else:
             temperatures = self.runner.temperatures[:batch]
             seeds, slots = self.runner.inputs[2, :batch], self.runner.inputs[0, :batch]
-        floors = self._floors(rows, logits, temperatures)
+        floors = self._floors(inputs, logits, temperatures)
         tokens, logprobs = sample(
             logits, temperatures, seeds, floors, slots, self.last_token, fused=self.fused
         )
@@ -352,15 +349,12 @@ class BuiltinEngine:
         for seq in rows:
             seq.launched += 1
 
-    def _floors(self, rows: list[_Seq], logits: Tensor, temperatures: Tensor) -> Tensor | None:
-        top_k = np.array([s.request.sampling.top_k for s in rows])
-        top_p = np.array([s.request.sampling.top_p for s in rows])
-        if not needs_floor(top_k, top_p, self.model.shape.vocab):
+    def _floors(self, inputs: StepInputs, logits: Tensor, temperatures: Tensor) -> Tensor | None:
+        if not needs_floor(inputs.top_k, inputs.top_p, self.model.shape.vocab):
             return None
         device = self.device
-        return sampling_floors(
-            logits, temperatures, torch.from_numpy(top_k).to(device), torch.from_numpy(top_p).to(device)
-        )
+        top_k, top_p = torch.from_numpy(inputs.top_k).to(device), torch.from_numpy(inputs.top_p).to(device)
+        return sampling_floors(logits, temperatures, top_k, top_p)
 
     def _process(self, launch: _Launch) -> None:
         tokens, logprobs = launch.readback.result()
@@ -396,3 +390,16 @@ class BuiltinEngine:
             ]
             if request.on_done is not None:
                 request.on_done(request.outputs)
+
+
+def _inputs_of(rows: list[_Seq]) -> StepInputs:
+    """Host inputs of a step over `rows` (seeds: each sequence's base seed, mixed per token by the caller)."""
+    params = [s.request.sampling for s in rows]
+    return StepInputs(
+        slots=np.array([s.slot for s in rows], dtype=np.int64),
+        lengths=np.array([len(s.request.prompt) + s.launched for s in rows], dtype=np.int64),
+        seeds=np.array([s.base_seed for s in rows], dtype=np.int64),
+        temperatures=np.array([p.temperature for p in params], dtype=np.float32),
+        top_k=np.array([p.top_k for p in params], dtype=np.int64),
+        top_p=np.array([p.top_p for p in params], dtype=np.float32),
+    )

@@ -220,6 +220,144 @@ if triton is not None:
         slot = tl.load(slots_ptr + row)
         tl.store(last_token_ptr + slot, token.to(tl.int64))
 
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, residual_ptr, weight_ptr, out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr
+    ):
+        # transformers' order of roundings: residual + x rounded to the dtype, normalised in fp32,
+        # rounded, then scaled by the weight and rounded again
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < H
+        x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
+        if ADD:
+            total = x.to(tl.float32) + tl.load(residual_ptr + row * H + cols, mask=ok, other=0.0).to(
+                tl.float32
+            )
+            x = total.to(x.dtype)
+            tl.store(residual_ptr + row * H + cols, x, mask=ok)
+        wide = x.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(wide * wide, 0) / H + eps)
+        normed = (wide * scale).to(x.dtype).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * H + cols, (normed * weight).to(x.dtype), mask=ok)
+
+    @triton.jit
+    def _rope_cache_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        slots_ptr,
+        lengths_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_ks,
+        stride_kh,
+        stride_kt,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        DIM: tl.constexpr,
+    ):
+        # one program per (sequence, head of q, k or v): rotate q and k; write k and v into the cache
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        half = tl.arange(0, DIM // 2)
+        position = (tl.load(lengths_ptr + row) - 1).to(tl.int64)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        source = qkv_ptr + row * (HQ + 2 * HKV) * DIM + head * DIM
+        x1 = tl.load(source + half).to(tl.float32)
+        x2 = tl.load(source + DIM // 2 + half).to(tl.float32)
+        if head < HQ + HKV:
+            cos = tl.load(cos_ptr + position * DIM + half).to(tl.float32)
+            sin = tl.load(sin_ptr + position * DIM + half).to(tl.float32)
+            y1 = x1 * cos - x2 * sin
+            y2 = x2 * cos + x1 * sin
+        else:
+            y1 = x1
+            y2 = x2
+        if head < HQ:
+            target = q_ptr + row * HQ * DIM + head * DIM
+        elif head < HQ + HKV:
+            target = k_cache_ptr + slot * stride_ks + (head - HQ) * stride_kh + position * stride_kt
+        else:
+            target = v_cache_ptr + slot * stride_ks + (head - HQ - HKV) * stride_kh + position * stride_kt
+        tl.store(target + half, y1.to(q_ptr.dtype.element_ty))
+        tl.store(target + DIM // 2 + half, y2.to(q_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < INTER
+        gate = tl.load(gate_up_ptr + row * 2 * INTER + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * 2 * INTER + INTER + cols, mask=ok, other=0.0).to(tl.float32)
+        out = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + row * INTER + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """rms_norm(residual + x) with residual updated in place (residual None: rms_norm(x)). x [B, H]."""
+    batch, hidden = x.shape
+    out = torch.empty_like(x)
+    _add_rms_norm_kernel[(batch,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        eps,
+        H=hidden,
+        BLOCK=triton.next_power_of_2(hidden),
+        ADD=residual is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def rope_and_cache(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slots: Tensor,
+    lengths: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    heads: int,
+    kv_heads: int,
+) -> Tensor:
+    """qkv [B, (Hq + 2 Hkv) D] -> RoPE'd q [B, Hq, D]; RoPE'd k and v go to the cache at lengths - 1."""
+    batch = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    q = torch.empty((batch, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_cache_kernel[(batch, heads + 2 * kv_heads)](
+        qkv,
+        cos,
+        sin,
+        slots,
+        lengths,
+        q,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HQ=heads,
+        HKV=kv_heads,
+        DIM=dim,
+        num_warps=1,
+    )
+    return q
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [B, 2I] -> silu(gate) * up [B, I]."""
+    batch, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((batch, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(batch, triton.cdiv(inter, block))](gate_up, out, INTER=inter, BLOCK=block, num_warps=4)
+    return out
+
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
     """q [B, Hq, D]; k/v cache [S, Hkv, Tmax, D] (last dim contiguous); slots, lengths [B] -> [B, Hq, D]."""

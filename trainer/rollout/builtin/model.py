@@ -325,6 +325,39 @@ class EngineModel:
             x = x + self._mlp(rms_norm(x, self.post_norm[i], s.rms_eps), i)
         return self._logits(x, out)
 
+    @property
+    def can_fuse(self) -> bool:
+        """The fused decode path covers Qwen2 / Llama (Qwen3's per-head q/k norm is not in its kernel)."""
+        return not self.shape.qk_norm
+
+    @torch.no_grad()
+    def decode_fused(
+        self, tokens: Tensor, slots: Tensor, lengths: Tensor, cache: KVCache, out: Tensor | None = None
+    ) -> Tensor:
+        """decode() in 9 kernels per layer (GPU, Triton): the residual add rides in the next RMSNorm,
+        RoPE and the KV-cache write are one kernel, SiLU-and-multiply another. Between kernels the math and
+        its roundings are transformers' (each fused kernel computes in fp32 and rounds once)."""
+        from trainer.rollout.builtin import kernels
+
+        s = self.shape
+        x = F.embedding(tokens, self.embed)  # the residual stream, updated in place by add_rms_norm
+        h = kernels.add_rms_norm(x, self.in_norm[0], s.rms_eps)
+        for i in range(s.layers):
+            qkv = F.linear(h, self.qkv_w[i], self.qkv_b[i] if self.qkv_b is not None else None)
+            q = kernels.rope_and_cache(
+                qkv, self.cos, self.sin, slots, lengths, cache.k[i], cache.v[i], s.heads, s.kv_heads
+            )
+            attended = kernels.decode_attention(q, cache.k[i], cache.v[i], slots, lengths)
+            h = kernels.add_rms_norm(
+                F.linear(attended.flatten(1), self.o_w[i]), self.post_norm[i], s.rms_eps, x
+            )
+            mlp = F.linear(kernels.silu_mul(F.linear(h, self.gate_up_w[i])), self.down_w[i])
+            next_norm = self.in_norm[i + 1] if i + 1 < s.layers else self.final_norm
+            h = kernels.add_rms_norm(mlp, next_norm, s.rms_eps, x)
+        if out is None:
+            return F.linear(h, self.lm_head)
+        return torch.mm(h, self.lm_head.t(), out=out)
+
 
 def torch_decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor

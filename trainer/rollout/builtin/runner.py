@@ -39,6 +39,8 @@ class StepInputs:
     lengths: np.ndarray  # int64: tokens in the cache once this step's token is written
     seeds: np.ndarray  # int64: the noise seed of each row's new token
     temperatures: np.ndarray  # float32
+    top_k: np.ndarray  # int64, -1: off
+    top_p: np.ndarray  # float32
 
 
 class HostBuffers:
@@ -96,8 +98,11 @@ class DecodeRunner:
         attend: DecodeAttention,
         max_batch: int,
         use_graphs: bool,
+        fused: bool = False,
     ) -> None:
+        """fused: the Triton decode path (EngineModel.decode_fused) rather than decode(attend=...)."""
         self.model, self.cache, self.last_token, self.attend = model, cache, last_token, attend
+        self.fused = fused and model.can_fuse
         self.device = model.device
         self.max_batch = max_batch
         self.use_graphs = use_graphs
@@ -130,7 +135,8 @@ class DecodeRunner:
         ints[0, :batch], ints[1, :batch], ints[2, :batch] = step.slots, step.lengths, step.seeds
         ints[0, batch:width], ints[1, batch:width], ints[2, batch:width] = self.cache.padding_slot, 1, 0
         temps[:batch] = step.temperatures
-        self.inputs[:, :width].copy_(staged["ints"][:, :width], non_blocking=True)
+        for row in range(3):  # row by row: a strided pinned source would be copied through pageable memory
+            self.inputs[row, :width].copy_(staged["ints"][row, :width], non_blocking=True)
         self.temperatures[:batch].copy_(staged["temps"][:batch], non_blocking=True)
         return width, staged
 
@@ -144,9 +150,11 @@ class DecodeRunner:
 
     def _decode(self, width: int) -> None:
         slots, lengths = self.inputs[0, :width], self.inputs[1, :width]
-        self.model.decode(
-            self.last_token[slots], slots, lengths, self.cache, self.attend, out=self.logits[:width]
-        )
+        tokens, out = self.last_token[slots], self.logits[:width]
+        if self.fused:
+            self.model.decode_fused(tokens, slots, lengths, self.cache, out=out)
+        else:
+            self.model.decode(tokens, slots, lengths, self.cache, self.attend, out=out)
 
     def _capture(self, width: int) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream first (compiles Triton kernels, settles cuBLAS workspaces).
