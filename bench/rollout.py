@@ -123,6 +123,51 @@ def measured_peaks(device: str) -> tuple[float, float]:
     return bandwidth, 10 * 2 * 8192**3 / (time.perf_counter() - start)
 
 
+def tune_kernels(batch: int = 256, length: int = 256, context: int = 384) -> dict:
+    """Time the decode-attention and sampling kernels under a few launch configurations."""
+    import triton.testing
+
+    from trainer.rollout.builtin import kernels
+
+    q = torch.randn(batch, 14, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch + 1, 2, context, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.arange(batch, device="cuda")
+    lengths = torch.full((batch,), length, device="cuda")
+    timings = {}
+    default = dict(kernels.ATTENTION_CONFIG)
+    configs = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 2, 2), (64, 8, 2), (64, 4, 3), (128, 8, 3)]
+    for block_n, warps, stages in configs:
+        kernels.ATTENTION_CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        ms = triton.testing.do_bench(lambda: kernels.decode_attention(q, k, v, slots, lengths))
+        timings[f"attention BLOCK_N={block_n} warps={warps} stages={stages}"] = ms * 1000
+    kernels.ATTENTION_CONFIG.update(default)
+    logits = torch.randn(batch, 151936, device="cuda", dtype=torch.bfloat16)
+    temps = torch.ones(batch, device="cuda")
+    seeds = torch.arange(batch, device="cuda")
+    last = torch.zeros(batch + 1, dtype=torch.int64, device="cuda")
+    default = dict(kernels.SAMPLE_CONFIG)
+    for block, warps in [(2048, 8), (1024, 4), (4096, 8), (4096, 16), (8192, 16)]:
+        kernels.SAMPLE_CONFIG.update(BLOCK=block, num_warps=warps)
+        ms = triton.testing.do_bench(lambda: kernels.fused_sample(logits, temps, seeds, None, slots, last))
+        timings[f"sample BLOCK={block} warps={warps}"] = ms * 1000
+    kernels.SAMPLE_CONFIG.update(default)
+    for name, us in timings.items():
+        print(f"  {name}: {us:.1f} us", flush=True)
+    return timings
+
+
+def profile_engine(engine, prompts: list[list[int]], n: int) -> str:
+    """The GPU kernels of a short generation, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time_engine(engine, prompts, 32, n, "cuda")
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(table, flush=True)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,6 +181,8 @@ def main() -> None:
     parser.add_argument(
         "--skip-hf", action="store_true", help="engine only (no baseline: not for the record)"
     )
+    parser.add_argument("--tune", action="store_true", help="time kernel launch configurations first")
+    parser.add_argument("--profile", action="store_true", help="profile the engine at the first batch size")
     args = parser.parse_args()
 
     from trainer.rollout.builtin import EngineConfig, load_engine
@@ -161,6 +208,8 @@ def main() -> None:
             f"{gpu}: measured copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s",
             flush=True,
         )
+    if args.tune and device == "cuda":
+        result["tune_us"] = tune_kernels()
     if not args.skip_hf:  # warm-up: kernels, allocator
         time_hf(model, prompt_ids[:8].to(device), 8, 1, device)
 
@@ -202,6 +251,8 @@ def main() -> None:
                 row["of_datasheet_flops"] = row["flops_per_s"] / result["datasheet"]["flops"]
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
+        if args.profile and device == "cuda" and "profile" not in result:
+            result["profile"] = profile_engine(engine, prompt_ids.tolist(), n)
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -295,7 +295,8 @@ class BuiltinEngine:
             tokens[row, : len(request.prompt)] = torch.tensor(request.prompt)
         lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
         first = torch.tensor([r.seqs[0].slot for r in requests], device=device)
-        logits = self.model.prefill(tokens.to(device), lengths, first, self.cache)
+        prefill = self.model.prefill_fused if self.runner.fused else self.model.prefill
+        logits = prefill(tokens.to(device), lengths, first, self.cache)
         siblings = [(r.seqs[0].slot, s.slot) for r in requests for s in r.seqs[1:]]
         if siblings:
             src, dst = (torch.tensor(column, device=device) for column in zip(*siblings))

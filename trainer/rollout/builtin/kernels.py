@@ -359,6 +359,9 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out
 
 
+ATTENTION_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # bench/rollout.py --tune times others
+
+
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
     """q [B, Hq, D]; k/v cache [S, Hkv, Tmax, D] (last dim contiguous); slots, lengths [B] -> [B, Hq, D]."""
     batch, heads, dim = q.shape
@@ -383,14 +386,15 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         DIM=dim,
-        BLOCK_N=64,
         IEEE=q.dtype == torch.float32,
         CONTEXT=k_cache.shape[2],
         INTERPRET=INTERPRETED,
-        num_warps=4,
-        num_stages=2,
+        **ATTENTION_CONFIG,
     )
     return out
+
+
+SAMPLE_CONFIG = {"BLOCK": 2048, "num_warps": 8}
 
 
 def fused_sample(
@@ -419,8 +423,8 @@ def fused_sample(
         logprobs,
         last_token,
         vocab,
-        BLOCK=min(2048, triton.next_power_of_2(vocab)),
         HAS_THRESHOLD=thresholds is not None,
-        num_warps=8,
+        BLOCK=min(SAMPLE_CONFIG["BLOCK"], triton.next_power_of_2(vocab)),
+        num_warps=SAMPLE_CONFIG["num_warps"],
     )
     return tokens, logprobs

@@ -298,6 +298,38 @@ class EngineModel:
         return self._logits(last)
 
     @torch.no_grad()
+    def prefill_fused(self, tokens: Tensor, lengths: Tensor, slots: Tensor, cache: KVCache) -> Tensor:
+        """prefill() with decode_fused's kernels over the B x T prompt tokens as rows (GPU, Triton): RoPE
+        writes each token's k and v straight into its slot, and attention reads the prompt back from the
+        cache. The elementwise work of a long prefill is memory-bound: fusing it cuts its memory traffic."""
+        from trainer.rollout.builtin import kernels
+
+        s = self.shape
+        batch, width = tokens.shape
+        positions = torch.arange(width, device=tokens.device).repeat(batch)
+        row_slots, row_lengths = slots.repeat_interleave(width), positions + 1
+        x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, H], the residual stream
+        h = kernels.add_rms_norm(x, self.in_norm[0], s.rms_eps)
+        for i in range(s.layers):
+            qkv = F.linear(h, self.qkv_w[i], self.qkv_b[i] if self.qkv_b is not None else None)
+            q = kernels.rope_and_cache(
+                qkv, self.cos, self.sin, row_slots, row_lengths, cache.k[i], cache.v[i], s.heads, s.kv_heads
+            )
+            k, v = cache.k[i, slots, :, :width], cache.v[i, slots, :, :width]  # [B, Hkv, T, D]
+            if s.group > 1:
+                k, v = k.repeat_interleave(s.group, dim=1), v.repeat_interleave(s.group, dim=1)
+            q = q.view(batch, width, s.heads, s.head_dim).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            h = kernels.add_rms_norm(
+                F.linear(attended.reshape(batch * width, -1), self.o_w[i]), self.post_norm[i], s.rms_eps, x
+            )
+            mlp = F.linear(kernels.silu_mul(F.linear(h, self.gate_up_w[i])), self.down_w[i])
+            next_norm = self.in_norm[i + 1] if i + 1 < s.layers else self.final_norm
+            h = kernels.add_rms_norm(mlp, next_norm, s.rms_eps, x)
+        last = h.view(batch, width, -1)[torch.arange(batch, device=h.device), lengths - 1]
+        return F.linear(last, self.lm_head)
+
+    @torch.no_grad()
     def decode(
         self,
         tokens: Tensor,
