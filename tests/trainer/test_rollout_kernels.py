@@ -69,19 +69,24 @@ def check_kernels(device: str, dtype: torch.dtype, atol: float) -> None:
         kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=atol, rtol=atol
     )
     # decode attention reads only each sequence's filled cache
-    k_cache, v_cache = rand(slots, kv_heads, context, dim), rand(slots, kv_heads, context, dim)
+    long_context = 200  # several 64-position blocks: splits share a sequence and get merged
+    k_cache, v_cache = rand(slots, kv_heads, long_context, dim), rand(slots, kv_heads, long_context, dim)
+    lengths = torch.tensor([1, 70, 200, 129, 64], device=device)
     q = rand(batch, heads, dim)
     expected = torch_decode_attention(q, k_cache, v_cache, slot_ids, lengths)
-    torch.testing.assert_close(
-        kernels.decode_attention(q, k_cache, v_cache, slot_ids, lengths), expected, atol=atol, rtol=0
-    )
+    for splits in (1, 3, 8):  # 8 splits of these lengths leave some empty
+        got = kernels.decode_attention(q, k_cache, v_cache, slot_ids, lengths, splits=splits)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
     k_cache[slot_ids[0], :, 1:] = float("nan")  # past a sequence's length: never read
     torch.testing.assert_close(
-        kernels.decode_attention(q, k_cache, v_cache, slot_ids, lengths)[0], expected[0], atol=atol, rtol=0
+        kernels.decode_attention(q, k_cache, v_cache, slot_ids, lengths, splits=3)[0],
+        expected[0],
+        atol=atol,
+        rtol=0,
     )
     # fused sampling: greedy rows are the argmax with the untempered logprob; sampled rows draw from
     # softmax(logits / T) and report that logprob; the floor (top-k / top-p) is respected
-    rows, vocab = 3000, 50
+    rows, vocab = 2000, 50
     logits = (torch.randn(1, vocab, generator=gen) * 2).repeat(rows, 1).to(device, dtype)
     temps = torch.full((rows,), 0.7, device=device)
     temps[:10] = 0
@@ -97,7 +102,7 @@ def check_kernels(device: str, dtype: torch.dtype, atol: float) -> None:
         logprobs, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1), atol=1e-4, rtol=0
     )
     observed = torch.bincount(tokens[10:].cpu(), minlength=vocab).float() / (rows - 10)
-    assert (observed - torch.softmax(scaled[-1].cpu(), -1)).abs().max() < 0.03
+    assert (observed - torch.softmax(scaled[-1].cpu(), -1)).abs().max() < 0.035
     floors = torch.full((rows,), float(logits[0].float().topk(3).values[-1]), device=device)
     tokens, _ = kernels.fused_sample(logits, temps, seeds, floors, row_slots, last)
     assert set(tokens.tolist()) <= set(logits[0].float().topk(3).indices.tolist())

@@ -345,3 +345,23 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited with") as caught:
         servers.start(timeout_s=120)
     assert "missing" in str(caught.value)
+
+
+def test_build_rollout_for_each_name(server, models):
+    from trainer.rollout.factory import build_rollout
+
+    model, model_dir = models["first"]
+    tok = models["tok"]
+    prompts = encode(tok)[:2]
+    greedy_sampling = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    expected = [hf_greedy(model, p, 6) for p in prompts]
+    common = {"policy_model": model, "tokenizer": tok, "model_path": model_dir, "context_length": 96}
+    for name, extra in [("hf", {}), ("builtin", {"max_running": 4}), ("sglang", {"server_urls": [server]})]:
+        engine = build_rollout(name, **common, **extra)
+        try:
+            assert [r.response_ids for r in engine.generate(prompts, greedy_sampling)] == expected, name
+            assert engine.pad_id == tok.pad_token_id
+        finally:
+            engine.close()
+    with pytest.raises(ValueError, match="server URLs or GPUs"):
+        build_rollout("sglang", **common)

@@ -279,3 +279,6 @@ class HFRolloutEngine:
 
     def resume_memory(self) -> None:
         """Nothing was released that generate() does not rebuild."""
+
+    def close(self) -> None:
+        """Nothing to stop (the engine owns no thread, process or server)."""

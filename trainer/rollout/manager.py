@@ -46,11 +46,14 @@ class RolloutManager:
         pad_id: int,
         weights_dir: str | None = None,
         config_dir: str | None = None,
+        servers=None,
     ) -> None:
         """pad_id: what TrainBatch pads with. weights_dir: where checkpoints for HTTP replicas go
         (default: a temporary folder, in /dev/shm when it exists). config_dir: the model folder whose
-        config.json (and tokenizer files) such a checkpoint needs when load_weights gets a state dict."""
+        config.json (and tokenizer files) such a checkpoint needs when load_weights gets a state dict.
+        servers: launcher.RolloutServers this manager started; close() stops them."""
         self.pool, self.pad_id = pool, pad_id
+        self.servers = servers
         self.config_dir = config_dir
         self._weights_dir = weights_dir
         self._last_checkpoint: str | None = None
@@ -83,6 +86,8 @@ class RolloutManager:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         self._loop.close()
+        if self.servers is not None:
+            self.servers.stop()
         if self._weights_dir is None and self._last_checkpoint is not None:
             shutil.rmtree(Path(self._last_checkpoint).parent, ignore_errors=True)
 
@@ -183,10 +188,11 @@ def http_manager(
     pad_id: int,
     config_dir: str | None = None,
     token: str | None = None,
+    servers=None,
     **pool_kwargs,
 ) -> RolloutManager:
-    """A manager over rollout servers (SGLang or built-in) at `urls`."""
+    """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close())."""
     from trainer.rollout.client import HttpReplica
 
     pool = ReplicaPool([HttpReplica(u, token=token) for u in urls], **pool_kwargs)
-    return RolloutManager(pool, pad_id=pad_id, config_dir=config_dir)
+    return RolloutManager(pool, pad_id=pad_id, config_dir=config_dir, servers=servers)

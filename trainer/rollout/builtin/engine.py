@@ -342,7 +342,14 @@ class BuiltinEngine:
             seeds, slots = self.runner.inputs[2, :batch], self.runner.inputs[0, :batch]
         floors = self._floors(inputs, logits, temperatures)
         tokens, logprobs = sample(
-            logits, temperatures, seeds, floors, slots, self.last_token, fused=self.fused
+            logits,
+            temperatures,
+            seeds,
+            floors,
+            slots,
+            self.last_token,
+            fused=self.fused,
+            all_greedy=not inputs.temperatures.any(),
         )
         self.pending.append(
             _Launch(rows, Readback(tokens, logprobs, self.runner.d2h, staged, self.runner.h2d))

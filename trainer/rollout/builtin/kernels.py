@@ -1,17 +1,21 @@
-"""Triton kernels of the GPU fast path: decode attention over slotted KV, and fused sampling.
+"""Triton kernels of the GPU fast path. Importable without a GPU: `TRITON_INTERPRET=1` runs them on CPU
+tensors, which is how the CPU tests check them against the plain torch path they replace.
 
-Both are importable without a GPU (`TRITON_INTERPRET=1` runs them on CPU tensors, which is how the CPU
-tests check them against the plain torch path); `triton_available()` says whether they can be used.
+decode_attention (flash-decoding): one program per (sequence, key-value head, split of the sequence).
+It loads the Hq/Hkv query heads that share the key-value head once, then streams its share of the
+sequence's own keys and values, positions [0, length) only, with an online softmax; a second kernel
+merges the splits. Splitting gives each program one or two blocks of keys: at rollout batch sizes the
+cost is latency (dependent loads), not bandwidth, so more, shorter programs finish sooner.
 
-decode_attention: one program per (sequence, key-value head). It loads the Hq/Hkv query heads that
-share that key-value head once, then streams the sequence's own keys and values, positions
-[0, length) only, in blocks, with an online softmax (flash-decoding without the split: at the batch
-sizes RL rollout runs, sequences x kv-heads already fills the GPU).
+sample: one program per row of bf16 logits, two passes over the vocabulary. The first keeps running
+sums of exp(logits / T) (all entries: the logsumexp for the logprob; entries above the top-k / top-p
+floor: the sampling mass) and the argmax; the second walks the cumulative kept mass to the point a
+uniform draw u picks (inverse CDF). No fp32 copy of the [B, V] logits is made, and one random number
+per row replaces a Gumbel noise per vocabulary entry. u is counter-based (Philox, keyed by a per-row
+seed), so a sequence draws the same u whatever batch it is in.
 
-sample: one program per row of bf16 logits. In a single pass over the vocabulary it keeps a running
-logsumexp of logits / T (for the logprob) and a running Gumbel-max key (for the sample), so no fp32
-copy of the [B, V] logits is ever made. Noise is counter-based (Philox, keyed by a per-row seed), so a
-sequence draws the same noise whatever batch it is in.
+add_rms_norm, rope_and_cache, silu_mul: the elementwise work between the matmuls of a layer, fused
+(transformers' order of roundings between them; each kernel computes in fp32 and rounds once).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ try:
 except ImportError:  # CPU-only installs: the plain torch path is used
     triton = tl = None
 
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ATTENTION_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # bench/rollout.py --tune times others
+SAMPLE_CONFIG = {"BLOCK": 2048, "num_warps": 8}
 
 
 def triton_available(device: torch.device) -> bool:
@@ -47,7 +52,8 @@ if triton is not None:
         v_ptr,
         base,
         start,
-        length,
+        lo,
+        hi,
         stride_kt,
         sm_scale,
         best,
@@ -57,10 +63,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """One block of keys/values into the running (max, denominator, weighted sum) of each head."""
+        """Keys/values [start, start + BLOCK_N) ∩ [lo, hi) into each head's running (max, sum, acc)."""
         dims = tl.arange(0, DIM)
         pos = start + tl.arange(0, BLOCK_N)
-        visible = pos < length
+        visible = (pos >= lo) & (pos < hi)
         offsets = base + pos[:, None] * stride_kt + dims[None, :]
         k = tl.load(k_ptr + offsets, mask=visible[:, None], other=0.0)
         if IEEE:
@@ -69,8 +75,9 @@ if triton is not None:
             scores = tl.dot(q, tl.trans(k))
         scores = tl.where(visible[None, :], scores * sm_scale, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
-        rescale = tl.exp(best - new_best)
-        p = tl.exp(scores - new_best[:, None])
+        anchor = tl.where(new_best == float("-inf"), 0.0, new_best)  # an all-masked block stays NaN-free
+        rescale = tl.exp(best - anchor)
+        p = tl.exp(scores - anchor[:, None])
         total = total * rescale + tl.sum(p, 1)
         v = tl.load(v_ptr + offsets, mask=visible[:, None], other=0.0)
         if IEEE:
@@ -85,42 +92,45 @@ if triton is not None:
         k_ptr,
         v_ptr,
         out_ptr,
+        part_acc_ptr,
+        part_stat_ptr,
         slots_ptr,
         lengths_ptr,
         sm_scale,
-        stride_qb,
-        stride_qh,
         stride_ks,
         stride_kh,
         stride_kt,
-        stride_ob,
-        stride_oh,
+        HQ: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
         CONTEXT: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         length = tl.load(lengths_ptr + row).to(tl.int32)
-        heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-        head_ok = tl.arange(0, GROUP_PAD) < GROUP
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, length)
+        group = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + group
+        head_ok = group < GROUP
         dims = tl.arange(0, DIM)
         q = tl.load(
-            q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-            mask=head_ok[:, None],
-            other=0.0,
+            q_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :], mask=head_ok[:, None], other=0.0
         )
         best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
         base = slot * stride_ks + kv_head * stride_kh
         # Triton's CPU interpreter cannot loop to a bound loaded from memory: there, walk the whole
-        # context (masked); compiled, stop at the sequence's own length.
+        # context (masked to [lo, hi)); compiled, visit [lo, hi) only.
         if INTERPRET:
             for start in range(0, CONTEXT, BLOCK_N):
                 best, total, acc = _attend_block(
@@ -129,7 +139,8 @@ if triton is not None:
                     v_ptr,
                     base,
                     start,
-                    length,
+                    lo,
+                    hi,
                     stride_kt,
                     sm_scale,
                     best,
@@ -140,14 +151,15 @@ if triton is not None:
                     IEEE,
                 )
         else:
-            for start in range(0, length, BLOCK_N):
+            for start in range(lo, hi, BLOCK_N):
                 best, total, acc = _attend_block(
                     q,
                     k_ptr,
                     v_ptr,
                     base,
                     start,
-                    length,
+                    lo,
+                    hi,
                     stride_kt,
                     sm_scale,
                     best,
@@ -157,12 +169,46 @@ if triton is not None:
                     BLOCK_N,
                     IEEE,
                 )
-        out = acc / total[:, None]
-        tl.store(
-            out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=head_ok[:, None],
-        )
+        if SPLITS == 1:
+            out = acc / total[:, None]
+            target = out_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :]
+            tl.store(target, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        else:  # partials [B, Hq, SPLITS, D] and (max, sum) [B, Hq, SPLITS, 2], merged by the next kernel
+            part = (row * HQ + heads) * SPLITS + split
+            tl.store(part_acc_ptr + part[:, None] * DIM + dims[None, :], acc, mask=head_ok[:, None])
+            tl.store(part_stat_ptr + part * 2, best, mask=head_ok)
+            tl.store(part_stat_ptr + part * 2 + 1, total, mask=head_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_acc_ptr,
+        part_stat_ptr,
+        out_ptr,
+        HQ: tl.constexpr,
+        HQ_PAD: tl.constexpr,
+        DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, HQ_PAD)
+        ok = heads < HQ
+        dims = tl.arange(0, DIM)
+        top = tl.full([HQ_PAD], float("-inf"), tl.float32)
+        for split in tl.static_range(SPLITS):
+            part = (row * HQ + heads) * SPLITS + split
+            top = tl.maximum(top, tl.load(part_stat_ptr + part * 2, mask=ok, other=float("-inf")))
+        total = tl.zeros([HQ_PAD], tl.float32)
+        acc = tl.zeros([HQ_PAD, DIM], tl.float32)
+        for split in tl.static_range(SPLITS):
+            part = (row * HQ + heads) * SPLITS + split
+            weight = tl.exp(tl.load(part_stat_ptr + part * 2, mask=ok, other=float("-inf")) - top)
+            total += weight * tl.load(part_stat_ptr + part * 2 + 1, mask=ok, other=0.0)
+            acc += weight[:, None] * tl.load(
+                part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=ok[:, None], other=0.0
+            )
+        out = acc / tl.where(ok, total, 1.0)[:, None]
+        target = out_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :]
+        tl.store(target, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
     @triton.jit
     def _sample_kernel(
@@ -170,55 +216,68 @@ if triton is not None:
         stride_row,
         temperature_ptr,
         seed_ptr,
-        threshold_ptr,
+        floor_ptr,
         slots_ptr,
         token_ptr,
         logprob_ptr,
         last_token_ptr,
         vocab: tl.constexpr,
         BLOCK: tl.constexpr,
-        HAS_THRESHOLD: tl.constexpr,
+        HAS_FLOOR: tl.constexpr,
+        ALL_GREEDY: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         temperature = tl.load(temperature_ptr + row)
         greedy = temperature == 0.0
         inv_t = tl.where(greedy, 1.0, 1.0 / temperature)
-        noise_scale = tl.where(greedy, 0.0, 1.0)
-        seed = tl.load(seed_ptr + row)
         floor = float("-inf")
-        if HAS_THRESHOLD:
-            floor = tl.load(threshold_ptr + row)
-        run_max = tl.full([BLOCK], float("-inf"), tl.float32)
-        run_sum = tl.zeros([BLOCK], tl.float32)
-        best_key = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
+        if HAS_FLOOR:
+            floor = tl.load(floor_ptr + row)
         base = logits_ptr + row * stride_row
+        # pass 1, per lane: running max of z = logits / T, sum of exp(z - max) over all and over kept
+        # entries, and the argmax (lanes combine after the loop)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_all = tl.zeros([BLOCK], tl.float32)
+        lane_kept = tl.zeros([BLOCK], tl.float32)
+        lane_best = tl.zeros([BLOCK], tl.int32)
         for start in range(0, vocab, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             ok = idx < vocab
             raw = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32)
             z = raw * inv_t
-            # per-lane running logsumexp (lanes are combined after the loop)
-            new_max = tl.maximum(run_max, z)
-            seen = new_max > float("-inf")  # lanes past the vocabulary's end stay empty (and NaN-free)
-            run_sum = tl.where(seen, run_sum * tl.exp(run_max - new_max) + tl.exp(z - new_max), 0.0)
-            run_max = new_max
-            u = tl.rand(seed, idx)
-            gumbel = -tl.log(-tl.log(u))
-            key = tl.where(ok & (raw >= floor), z + noise_scale * gumbel, float("-inf"))
-            better = key > best_key  # strict: the earliest index wins ties, like torch.argmax
-            best_idx = tl.where(better, idx, best_idx)
-            best_key = tl.where(better, key, best_key)
-        top = tl.max(run_max, 0)
-        lse = top + tl.log(tl.sum(run_sum * tl.exp(run_max - top), 0))
-        winner = tl.max(best_key, 0)
-        # the smallest index among lanes holding the winning key
-        token = tl.min(tl.where(best_key == winner, best_idx, vocab), 0)
+            new_max = tl.maximum(lane_max, z)
+            anchor = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(lane_max - anchor)
+            e = tl.exp(z - anchor)
+            lane_all = lane_all * rescale + e
+            lane_kept = lane_kept * rescale + tl.where(raw >= floor, e, 0.0)
+            lane_best = tl.where(z > lane_max, idx, lane_best)  # strict: the earliest index wins ties
+            lane_max = new_max
+        top = tl.max(lane_max, 0)
+        weight = tl.exp(lane_max - top)
+        lse = top + tl.log(tl.sum(lane_all * weight, 0))
+        token = tl.min(tl.where(lane_max == top, lane_best, vocab), 0)
+        if not ALL_GREEDY:
+            # pass 2: the first kept entry whose cumulative mass exceeds u * (total kept mass)
+            draws = tl.rand(tl.load(seed_ptr + row), tl.arange(0, 2))
+            target = tl.sum(tl.where(tl.arange(0, 2) == 0, draws, 0.0), 0) * tl.sum(lane_kept * weight, 0)
+            running = target * 0.0
+            sampled = token
+            for start in range(0, vocab, BLOCK):
+                idx = start + tl.arange(0, BLOCK)
+                raw = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+                mass = tl.where(raw >= floor, tl.exp(raw * inv_t - top), 0.0)
+                block_mass = tl.sum(mass, 0)
+                cumulative = running + tl.cumsum(mass, 0)
+                candidate = tl.min(tl.where((cumulative > target) & (mass > 0), idx, vocab), 0)
+                crossing = (running <= target) & (running + block_mass > target)
+                sampled = tl.where(crossing, candidate, sampled)
+                running = running + block_mass
+            token = tl.where(greedy, token, sampled)
         chosen = tl.load(base + token).to(tl.float32) * inv_t
         tl.store(token_ptr + row, token.to(tl.int64))
         tl.store(logprob_ptr + row, chosen - lse)
-        slot = tl.load(slots_ptr + row)
-        tl.store(last_token_ptr + slot, token.to(tl.int64))
+        tl.store(last_token_ptr + tl.load(slots_ptr + row), token.to(tl.int64))
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -258,32 +317,36 @@ if triton is not None:
         HQ: tl.constexpr,
         HKV: tl.constexpr,
         DIM: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
     ):
-        # one program per (sequence, head of q, k or v): rotate q and k; write k and v into the cache
+        # one program per token, all its heads: rotate q and k; q to its own tensor, k and v to the cache
         row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        half = tl.arange(0, DIM // 2)
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        half = tl.arange(0, DIM // 2)[None, :]
+        real = heads < HQ + 2 * HKV
         position = (tl.load(lengths_ptr + row) - 1).to(tl.int64)
         slot = tl.load(slots_ptr + row).to(tl.int64)
-        source = qkv_ptr + row * (HQ + 2 * HKV) * DIM + head * DIM
-        x1 = tl.load(source + half).to(tl.float32)
-        x2 = tl.load(source + DIM // 2 + half).to(tl.float32)
-        if head < HQ + HKV:
-            cos = tl.load(cos_ptr + position * DIM + half).to(tl.float32)
-            sin = tl.load(sin_ptr + position * DIM + half).to(tl.float32)
-            y1 = x1 * cos - x2 * sin
-            y2 = x2 * cos + x1 * sin
-        else:
-            y1 = x1
-            y2 = x2
-        if head < HQ:
-            target = q_ptr + row * HQ * DIM + head * DIM
-        elif head < HQ + HKV:
-            target = k_cache_ptr + slot * stride_ks + (head - HQ) * stride_kh + position * stride_kt
-        else:
-            target = v_cache_ptr + slot * stride_ks + (head - HQ - HKV) * stride_kh + position * stride_kt
-        tl.store(target + half, y1.to(q_ptr.dtype.element_ty))
-        tl.store(target + DIM // 2 + half, y2.to(q_ptr.dtype.element_ty))
+        source = qkv_ptr + row * (HQ + 2 * HKV) * DIM + heads * DIM + half
+        x1 = tl.load(source, mask=real, other=0.0).to(tl.float32)
+        x2 = tl.load(source + DIM // 2, mask=real, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + position * DIM + half).to(tl.float32)
+        sin = tl.load(sin_ptr + position * DIM + half).to(tl.float32)
+        rotate = heads < HQ + HKV
+        y1 = tl.where(rotate, x1 * cos - x2 * sin, x1).to(q_ptr.dtype.element_ty)
+        y2 = tl.where(rotate, x2 * cos + x1 * sin, x2).to(q_ptr.dtype.element_ty)
+        is_q = heads < HQ
+        is_k = (heads >= HQ) & rotate
+        is_v = (heads >= HQ + HKV) & real
+        q_target = q_ptr + row * HQ * DIM + heads * DIM + half
+        tl.store(q_target, y1, mask=is_q)
+        tl.store(q_target + DIM // 2, y2, mask=is_q)
+        cache = slot * stride_ks + position * stride_kt + half
+        k_target = k_cache_ptr + cache + (heads - HQ) * stride_kh
+        tl.store(k_target, y1, mask=is_k)
+        tl.store(k_target + DIM // 2, y2, mask=is_k)
+        v_target = v_cache_ptr + cache + (heads - HQ - HKV) * stride_kh
+        tl.store(v_target, y1, mask=is_v)
+        tl.store(v_target + DIM // 2, y2, mask=is_v)
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr):
@@ -294,6 +357,98 @@ if triton is not None:
         up = tl.load(gate_up_ptr + row * 2 * INTER + INTER + cols, mask=ok, other=0.0).to(tl.float32)
         out = gate * tl.sigmoid(gate) * up
         tl.store(out_ptr + row * INTER + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def attention_splits(context: int) -> int:
+    """Splits per sequence: about one 128-position chunk per program, at most 8."""
+    return max(1, min(8, -(-context // 128)))
+
+
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, splits: int | None = None
+) -> Tensor:
+    """q [B, Hq, D] (contiguous); k/v cache [S, Hkv, Tmax, D]; slots, lengths [B] -> [B, Hq, D]."""
+    batch, heads, dim = q.shape
+    kv_heads, context = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    splits = splits or attention_splits(context)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    part_acc = part_stat = out  # unused with one split
+    if splits > 1:
+        part_acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
+        part_stat = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(batch, kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_stat,
+        slots,
+        lengths,
+        dim**-0.5,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HQ=heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        DIM=dim,
+        SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+        CONTEXT=context,
+        INTERPRET=INTERPRETED,
+        **ATTENTION_CONFIG,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(batch,)](
+            part_acc,
+            part_stat,
+            out,
+            HQ=heads,
+            HQ_PAD=triton.next_power_of_2(heads),
+            DIM=dim,
+            SPLITS=splits,
+            num_warps=4,
+        )
+    return out
+
+
+def fused_sample(
+    logits: Tensor,
+    temperatures: Tensor,
+    seeds: Tensor,
+    floors: Tensor | None,
+    slots: Tensor,
+    last_token: Tensor,
+    all_greedy: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """logits [B, V] (any float dtype) -> (tokens int64 [B], logprobs fp32 [B]).
+
+    Also records last_token[slots] = tokens (the next decode step's input). all_greedy: every
+    temperature is 0 (the caller knows; the sampling pass is skipped).
+    """
+    batch, vocab = logits.shape
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(batch,)](
+        logits,
+        logits.stride(0),
+        temperatures,
+        seeds,
+        floors if floors is not None else temperatures,
+        slots,
+        tokens,
+        logprobs,
+        last_token,
+        vocab,
+        HAS_FLOOR=floors is not None,
+        ALL_GREEDY=all_greedy,
+        BLOCK=min(SAMPLE_CONFIG["BLOCK"], triton.next_power_of_2(vocab)),
+        num_warps=SAMPLE_CONFIG["num_warps"],
+    )
+    return tokens, logprobs
 
 
 def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
@@ -329,7 +484,7 @@ def rope_and_cache(
     batch = qkv.shape[0]
     dim = k_cache.shape[-1]
     q = torch.empty((batch, heads, dim), dtype=qkv.dtype, device=qkv.device)
-    _rope_cache_kernel[(batch, heads + 2 * kv_heads)](
+    _rope_cache_kernel[(batch,)](
         qkv,
         cos,
         sin,
@@ -344,7 +499,8 @@ def rope_and_cache(
         HQ=heads,
         HKV=kv_heads,
         DIM=dim,
-        num_warps=1,
+        HEADS_PAD=triton.next_power_of_2(heads + 2 * kv_heads),
+        num_warps=2,
     )
     return q
 
@@ -357,74 +513,3 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     block = 1024
     _silu_mul_kernel[(batch, triton.cdiv(inter, block))](gate_up, out, INTER=inter, BLOCK=block, num_warps=4)
     return out
-
-
-ATTENTION_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # bench/rollout.py --tune times others
-
-
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-    """q [B, Hq, D]; k/v cache [S, Hkv, Tmax, D] (last dim contiguous); slots, lengths [B] -> [B, Hq, D]."""
-    batch, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    group = heads // kv_heads
-    out = torch.empty_like(q)
-    _decode_attention_kernel[(batch, kv_heads)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        slots,
-        lengths,
-        dim**-0.5,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        DIM=dim,
-        IEEE=q.dtype == torch.float32,
-        CONTEXT=k_cache.shape[2],
-        INTERPRET=INTERPRETED,
-        **ATTENTION_CONFIG,
-    )
-    return out
-
-
-SAMPLE_CONFIG = {"BLOCK": 2048, "num_warps": 8}
-
-
-def fused_sample(
-    logits: Tensor,
-    temperatures: Tensor,
-    seeds: Tensor,
-    thresholds: Tensor | None,
-    slots: Tensor,
-    last_token: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """logits [B, V] (any float dtype) -> (tokens int64 [B], logprobs fp32 [B]).
-
-    Also records last_token[slots] = tokens (the next decode step's input).
-    """
-    batch, vocab = logits.shape
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(batch,)](
-        logits,
-        logits.stride(0),
-        temperatures,
-        seeds,
-        thresholds if thresholds is not None else temperatures,
-        slots,
-        tokens,
-        logprobs,
-        last_token,
-        vocab,
-        HAS_THRESHOLD=thresholds is not None,
-        BLOCK=min(SAMPLE_CONFIG["BLOCK"], triton.next_power_of_2(vocab)),
-        num_warps=SAMPLE_CONFIG["num_warps"],
-    )
-    return tokens, logprobs

@@ -3,13 +3,15 @@
 The logprob is log_softmax(logits / T) at the sampled token, before top-k / top-p truncation (the
 convention of trainer/rollout/base.py, and SGLang's default); greedy rows (T = 0) report it under T = 1.
 
-Sampling is Gumbel-max: token = argmax(logits / T + g) with g ~ Gumbel(0, 1) drawn per vocabulary entry
-from a seed that depends only on the sequence and the index of the token being generated, so a sequence
-samples the same tokens whether it runs alone or inside any batch (up to the numerics of the forward).
-Top-k / top-p become a per-row floor on the raw logits: entries below it cannot be drawn.
+Sampling is by inverse CDF: one uniform u per row, drawn from a seed that depends only on the sequence
+and the index of the token being generated, picks the first entry whose cumulative probability (over
+the entries top-k / top-p keep, renormalised) exceeds u. So a sequence samples the same tokens whether
+it runs alone or inside any batch (up to the numerics of the forward). Top-k / top-p become a per-row
+floor on the raw logits: entries below it cannot be drawn.
 
-Two implementations of the same rule: the Triton kernel (kernels.fused_sample, GPU: one pass over bf16
-logits, no fp32 copy) and `torch_sample` (CPU; the reference the kernel is tested against).
+Two implementations of the same rule: the Triton kernel (kernels.fused_sample, GPU: two passes over the
+bf16 logits, no fp32 copy, Philox for u) and `torch_sample` (CPU, a torch.Generator for u; the reference
+the kernel is tested against). They draw different u for the same seed, so CPU and GPU runs differ.
 """
 
 from __future__ import annotations
@@ -71,17 +73,17 @@ def torch_sample(
     greedy = temperatures == 0
     scaled = logits.float() / torch.where(greedy, 1.0, temperatures.float())[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-    uniform = torch.stack(
-        [
-            torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(int(seed)))
-            for seed in seeds.tolist()
-        ]
-    ).to(logits.device)
-    gumbel = -torch.log(-torch.log(uniform))
-    keys = scaled + torch.where(greedy[:, None], 0.0, gumbel)
+    uniform = torch.tensor(
+        [torch.rand(1, generator=torch.Generator().manual_seed(int(seed))).item() for seed in seeds.tolist()],
+        device=logits.device,
+    )
+    mass = torch.exp(scaled - scaled.max(dim=-1, keepdim=True).values)
     if floors is not None:
-        keys = keys.masked_fill(logits.float() < floors[:, None], float("-inf"))
-    tokens = keys.argmax(dim=-1)
+        mass = mass.masked_fill(logits.float() < floors[:, None], 0.0)
+    cumulative = mass.cumsum(dim=-1)
+    target = uniform * cumulative[:, -1]
+    sampled = (cumulative <= target[:, None]).sum(dim=-1).clamp(max=logits.shape[-1] - 1)
+    tokens = torch.where(greedy, scaled.argmax(dim=-1), sampled)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -94,10 +96,11 @@ def sample(
     last_token: Tensor,
     *,
     fused: bool,
+    all_greedy: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Sample every row and record each row's token as its slot's latest (last_token[slots])."""
     if fused:
-        return kernels.fused_sample(logits, temperatures, seeds, floors, slots, last_token)
+        return kernels.fused_sample(logits, temperatures, seeds, floors, slots, last_token, all_greedy)
     tokens, logprobs = torch_sample(logits, temperatures, seeds, floors)
     last_token[slots] = tokens
     return tokens, logprobs
