@@ -16,6 +16,7 @@ each decode step is a CUDA-graph replay; on CPU the same steps run eagerly in pl
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,8 @@ from trainer.rollout.builtin import kernels
 from trainer.rollout.builtin.model import EngineModel, KVCache, torch_decode_attention
 from trainer.rollout.builtin.runner import DecodeRunner, Readback, StepInputs
 from trainer.rollout.builtin.sampler import needs_floor, sample, sampling_floors, token_seeds
+
+log = logging.getLogger("trainer.rollout")
 
 MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's names for what release/resume_memory_occupation frees
 
@@ -106,6 +109,11 @@ class BuiltinEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = model.device
         self.fused = kernels.triton_available(self.device)
+        if self.fused and (problem := kernels.self_check(self.device, model.dtype)) is not None:
+            log.warning(
+                f"Triton kernels failed their self-check ({problem}); decoding on the plain torch path"
+            )
+            self.fused = False
         self.use_graphs = self.config.cuda_graphs and self.device.type == "cuda" and self.fused
         self.waiting: deque[_Request] = deque()
         self.running: dict[int, _Seq] = {}  # id(seq) -> seq, in admission order

@@ -513,3 +513,53 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     block = 1024
     _silu_mul_kernel[(batch, triton.cdiv(inter, block))](gate_up, out, INTER=inter, BLOCK=block, num_warps=4)
     return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Compile and run every kernel once on small inputs against plain torch; None if all agree, else
+    what failed. The engine falls back to the plain path rather than decode with a broken kernel."""
+    from trainer.rollout.builtin.model import rms_norm, torch_decode_attention
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, weight = (torch.randn(s, generator=gen).to(device, dtype) for s in ((3, 64), (64,)))
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        if not torch.allclose(add_rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), atol=tol, rtol=tol):
+            return "add_rms_norm disagrees with torch"
+        k, v = (torch.randn(4, 2, 160, 16, generator=gen).to(device, dtype) for _ in range(2))
+        q = torch.randn(3, 4, 16, generator=gen).to(device, dtype)
+        slots, lengths = torch.tensor([0, 2, 3], device=device), torch.tensor([1, 70, 160], device=device)
+        expected = torch_decode_attention(q, k, v, slots, lengths)
+        for splits in (1, 2):
+            if not torch.allclose(
+                decode_attention(q, k, v, slots, lengths, splits), expected, atol=tol, rtol=tol
+            ):
+                return f"decode_attention ({splits} splits) disagrees with torch"
+        logits = torch.randn(3, 300, generator=gen).to(device, dtype)
+        temps = torch.tensor([0.0, 1.0, 0.5], device=device)
+        tokens, logprobs = fused_sample(
+            logits,
+            temps,
+            torch.arange(3, device=device),
+            None,
+            slots,
+            torch.zeros(4, dtype=torch.long, device=device),
+        )
+        if int(tokens[0]) != int(logits[0].float().argmax()):
+            return "fused_sample's greedy row is not the argmax"
+        scaled = logits.float() / torch.where(temps == 0, 1.0, temps)[:, None]
+        reference = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        if not torch.allclose(logprobs, reference, atol=1e-3):
+            return "fused_sample's logprobs disagree with torch"
+        qkv = torch.randn(3, 8 * 16, generator=gen).to(device, dtype)
+        table = torch.randn(160, 16, generator=gen).to(device, dtype)
+        rotated = rope_and_cache(qkv, table, table, slots, lengths, k, v, 4, 2)
+        if (
+            not torch.equal(v[slots, :, lengths - 1], qkv[:, 6 * 16 :].view(3, 2, 16))
+            or not rotated.isfinite().all()
+        ):
+            return "rope_and_cache did not write the cache"
+        silu_mul(torch.randn(3, 64, generator=gen).to(device, dtype))
+    except Exception as exc:  # noqa: BLE001 - any compile or launch failure means: do not use the kernels
+        return f"{type(exc).__name__}: {exc}"
+    return None
