@@ -3,7 +3,7 @@
 One step, whatever the algorithm:
 
     prompts    <- data-server or local files (cursor saved with every checkpoint)
-    rollouts   <- engine.generate(prompts, n)                built-in engine, colocated with the policy
+    rollouts   <- engine.generate(prompts, n)                hf / builtin in process, or SGLang servers
     scores     <- reward-server (HTTP, batched, retried) or the same scorers in-process
     [DAPO]        group by prompt, drop the groups whose rewards do not vary, refill until full
     old/ref logprobs, critic values                         (old logprobs skipped when exactly on-policy
@@ -47,6 +47,7 @@ from trainer.config import Config
 from trainer.data import PromptRecord
 from trainer.rewards import Scores, reward_items, score_rollouts
 from trainer.rollout.base import Rollout
+from trainer.rollout.metrics import rollout_logprob_gap
 from trainer.run import AdvantageSettings, KLController, Run, build_run, close_run, seed_everything
 from trainer.tracking import (
     Tracker,
@@ -139,6 +140,8 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
                 batch = batch.with_fields(values=run.critic.compute_values(batch))
         with timer("adv", timings):
             batch, metrics = compute_advantages(batch, collected.scores.scores, run.advantage, run.kl_ctrl)
+        if batch.old_logprobs is not None:  # the engine's logprobs vs the trainer's (verl's names)
+            metrics |= rollout_logprob_gap(batch.rollout_logprobs, batch.old_logprobs, batch.response_mask)
         if run.critic is not None:
             with timer("update_critic", timings):
                 metrics |= run.critic.update(batch)

@@ -35,7 +35,7 @@ from trainer.model import (
 from trainer.rewards import Scorer, close_scorer, open_scorer, reward_options
 from trainer.packing import use_packed_attention
 from trainer.rollout.base import RolloutEngine, SamplingParams
-from trainer.rollout.hf_engine import HFRolloutEngine
+from trainer.rollout.factory import build_rollout, server_urls_from_env, visible_gpus
 from trainer.tracking import Tracker
 from trainer.workers.actor import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, UpdateSettings
@@ -112,10 +112,13 @@ class Run:
         """Whether a step computes the policy's logprobs before its update.
 
         The policy update can skip them when exactly on-policy (old == current). The KL penalty in the
-        reward cannot: it is taken against the policy that sampled, before the advantages exist.
+        reward cannot: it is taken against the policy that sampled, before the advantages exist. Nor can
+        a separate engine (builtin, sglang): it samples from its own copy (bf16, its own kernels), so the
+        trainer's logprobs are recomputed, and their gap to the engine's is logged every step.
         """
         batch_size = self.plan.prompts * self.sampling.n
-        return self.advantage.use_kl_in_reward or not self.policy.is_on_policy(batch_size)
+        separate_engine = self.cfg.actor_rollout_ref.rollout.engine != "hf"
+        return self.advantage.use_kl_in_reward or separate_engine or not self.policy.is_on_policy(batch_size)
 
 
 async def build_run(cfg: Config) -> Run:
@@ -158,6 +161,7 @@ async def build_run(cfg: Config) -> Run:
 
 
 async def close_run(run: Run) -> None:
+    run.engine.close()
     if run.tracker is not None:
         run.tracker.close()
     if run.groups is not None:
@@ -188,13 +192,24 @@ def build_workers(cfg: Config, device: torch.device, precision: Precision, steps
             "groups": groups,
         }
     policy = build_policy(cfg, device, precision, steps)
-    engine = HFRolloutEngine(policy.model, tokenizer, autocast_dtype=precision.autocast_dtype)
+    arr = cfg.actor_rollout_ref
+    engine = build_rollout(
+        arr.rollout.engine,
+        policy_model=policy.model,
+        tokenizer=tokenizer,
+        model_path=arr.model.path,
+        context_length=arr.rollout.prompt_length + arr.rollout.response_length,
+        autocast_dtype=precision.autocast_dtype,
+        server_urls=server_urls_from_env(),
+        gpus=visible_gpus(),
+    )
     return {
         "policy": policy,
         "reference": build_reference(cfg, device, precision) if cfg.use_reference else None,
         "critic": build_critic(cfg, device, precision, steps) if cfg.use_critic else None,
         "engine": engine,
-        "sync_weights": lambda: engine.load_weights(policy.model),  # the same module: nothing to copy
+        # hf shares the policy's module (nothing to copy); builtin / sglang get the weights copied in
+        "sync_weights": lambda: engine.load_weights(policy.model),
         "profile": PolicyProfile.of(policy.model, policy.update_settings.ppo_epochs, in_process=True),
     }
 

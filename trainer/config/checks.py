@@ -41,7 +41,7 @@ def ray_problems(config: Config) -> list[str]:
 def notices(config: Config) -> list[str]:
     lines = []
     rollout = config.actor_rollout_ref.rollout
-    if rollout.name in ("sglang", "vllm"):
+    if rollout.name != rollout.engine:
         lines.append(
             f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
             f"engine ({rollout.engine}: transformers generate) generates instead"

@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from trainer.config.run import Config
     from trainer.config.schema import Section
 
-# What generates for each rollout.name. sglang and vllm are not wired in yet: the built-in engine
-# (transformers generate) runs instead, and trainer/config/checks.py says so at start.
-ENGINE_USED = {"hf": "hf", "builtin": "hf", "sglang": "hf", "vllm": "hf"}
+# What generates for each rollout.name (trainer/rollout/factory.py builds it). vllm is not wired in
+# yet: transformers generate runs instead, and trainer/config/checks.py says so at start.
+ENGINE_USED = {"hf": "hf", "builtin": "builtin", "sglang": "sglang", "vllm": "hf"}
 
 
 def per_gpu(global_size: int | None, world: int) -> int | None:

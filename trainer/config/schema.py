@@ -242,8 +242,10 @@ class MultiTurnConfig(Section):
 class RolloutConfig(Section):
     name: Literal["hf", "builtin", "sglang", "vllm"] = Field(
         "hf",
-        description="Generation engine asked for. hf / builtin: the built-in engine (transformers "
-        "generate); sglang / vllm: not wired in yet, the built-in engine generates instead (said at start).",
+        description="Generation engine asked for. hf: transformers over the policy's own module; "
+        "builtin: the built-in fast engine (continuous batching; Triton kernels and CUDA graphs on GPU); "
+        "sglang: SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not wired in yet, "
+        "hf generates instead (said at start).",
     )
     engine: str | None = Field(
         None,
