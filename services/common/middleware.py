@@ -3,10 +3,13 @@
 - `ObservabilityMiddleware`: Prometheus request count / latency / errors per route, one log line per request.
 - `BodyLimitMiddleware`: 413 for bodies over the limit, whether or not Content-Length is sent.
 - `BearerAuthMiddleware`: 401 unless `Authorization: Bearer <token>`, except on open paths.
+- `ShutdownGuardMiddleware`: a request still running when the SIGTERM drain runs out gets a JSON 503
+  (uvicorn would send a plain-text 500).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -19,13 +22,17 @@ log = logging.getLogger("services.access")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-async def send_json(send, status: int, payload: dict) -> None:
+async def send_json(send, status: int, payload: dict, headers: tuple = ()) -> None:
     body = json.dumps(payload).encode()
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})
@@ -150,6 +157,40 @@ class BearerAuthMiddleware:
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
             return await send_json(
-                send, 401, {"error": "missing or invalid bearer token (Authorization header)"}
+                send,
+                401,
+                {"error": "missing or invalid bearer token (Authorization header)"},
+                headers=((b"www-authenticate", b'Bearer realm="rl-jobgroup"'),),
             )
         return await self.app(scope, receive, send)
+
+
+class ShutdownGuardMiddleware:
+    """uvicorn cancels requests still running when the graceful-shutdown time is up, and answers them
+    with a plain-text 500. Here such a request gets a JSON 503 naming the cause, so a client retries
+    it elsewhere instead of treating it as a server bug."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_wrapper(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            await send_json(
+                send,
+                503,
+                {"error": "the server is shutting down and could not finish this request; retry it"},
+                headers=((b"retry-after", b"1"), (b"connection", b"close")),
+            )

@@ -3,33 +3,38 @@
 concurrent.futures.ProcessPoolExecutor cannot stop one running task, and a hung task would hold
 a worker forever. Here each worker is one process with one pipe, driven by one thread of ours that
 sends it a task and waits at most `timeout_s` for the answer. If the deadline passes the process is
-SIGKILLed and replaced; if it dies (segfault, out of memory) it is replaced; either way only that
-task fails, with `Outcome.error` saying why, and the other workers carry on.
+SIGKILLed and replaced; if it dies (segfault, out of memory) it is replaced and the task is tried
+once more on the fresh process (a worker that died while idle must not cost the next, unrelated
+item); only a task that kills two workers fails, with `Outcome.error` saying why.
+
+Tasks are queued per `group` (the reward-server uses one group per request) and the workers take
+them round-robin across groups, so a request of many slow items cannot hold back another request's
+one quick item for longer than the items already running. A caller that stops waiting (its client
+went away, its request deadline passed) abandons its tasks: queued ones are dropped, a running one
+has its worker killed and replaced.
 
 Workers come from a forkserver that has already imported the scorer's modules, so a replacement
 starts in milliseconds rather than re-importing sympy. Each worker may carry an address-space limit
 so a runaway expression ends in MemoryError, not the host's OOM killer.
-
-Callers get a concurrent.futures.Future per task (`submit`) or await one (`run`): the asyncio event
-loop only ever waits on futures, never on a worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import multiprocessing
-import queue
 import signal
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("services.reward_server.pool")
+log = logging.getLogger("services.scoring.pool")
 
 START_TIMEOUT_S = 60.0
+ABANDON_POLL_S = 0.05  # how often a driver thread looks up from a running task to see if it was abandoned
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,19 @@ class Outcome:
 
     value: Any = None
     error: str | None = None
+
+
+@dataclass(eq=False)
+class Task:
+    args: tuple
+    group: Hashable
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+
+    def abandon(self) -> None:
+        """Drop the task if it is still queued; kill its worker if it is running."""
+        self.abandoned.set()
+        self.future.cancel()
 
 
 def _serve(conn, fn: Callable, memory_limit_bytes: int) -> None:
@@ -109,28 +127,89 @@ class _Worker:
         self.conn.close()
         self.process, self.conn = None, None
 
-    def run(self, args: tuple, timeout_s: float) -> tuple[Outcome, str]:
-        """(outcome, event) where event is "" or "timeout" / "crash" for the pool's counters."""
+    def restart(self) -> None:
+        self.stop(kill=True)
+        self.start()
+
+    def attempt(self, task: Task, timeout_s: float) -> tuple[Outcome, str]:
+        """(outcome, event): event is "" or "timeout" / "crash" / "abandoned" for the pool's counters."""
         if self.process is None:
             self.start()
         try:
-            self.conn.send(args)
-            answered = self.conn.poll(timeout_s)
+            self.conn.send(task.args)
+            answered = self._wait(task, timeout_s)
         except OSError:
             answered = True  # broken pipe: the recv below sees the EOF and reports the crash
+        if answered is None:
+            self.restart()
+            return Outcome(error="abandoned by its request"), "abandoned"
         if not answered:
-            self.stop(kill=True)
-            self.start()
+            self.restart()
             return Outcome(error=f"timed out after {timeout_s:g}s"), "timeout"
         try:
             ok, payload = self.conn.recv()
         except (EOFError, OSError):
             self.process.join(1.0)
             exitcode = self.process.exitcode
-            self.stop(kill=True)
-            self.start()
+            self.restart()
             return Outcome(error=f"scoring worker died (exit code {exitcode})"), "crash"
         return (Outcome(value=payload) if ok else Outcome(error=payload)), ""
+
+    def _wait(self, task: Task, timeout_s: float) -> bool | None:
+        """True once the worker answered, False at the deadline, None if the task was abandoned first."""
+        waited = 0.0
+        while waited < timeout_s:
+            step = min(ABANDON_POLL_S, timeout_s - waited)
+            if self.conn.poll(step):
+                return True
+            if task.abandoned.is_set():
+                return None
+            waited += step
+        return False
+
+
+class FairQueue:
+    """Tasks queued per group, handed out round-robin across groups (FIFO within one group)."""
+
+    def __init__(self) -> None:
+        self._groups: collections.OrderedDict[Hashable, collections.deque] = collections.OrderedDict()
+        self._ready = threading.Condition()
+        self._stopping = 0
+
+    def put(self, task: Task) -> None:
+        with self._ready:
+            self._groups.setdefault(task.group, collections.deque()).append(task)
+            self._ready.notify()
+
+    def get(self) -> Task | None:
+        """The next task, or None when a driver should stop. Blocks while the queue is empty."""
+        with self._ready:
+            while not self._groups and not self._stopping:
+                self._ready.wait()
+            if not self._groups:
+                self._stopping -= 1
+                return None
+            group, tasks = next(iter(self._groups.items()))
+            task = tasks.popleft()
+            del self._groups[group]
+            if tasks:  # back of the line: the next group goes first
+                self._groups[group] = tasks
+            return task
+
+    def drain(self) -> list[Task]:
+        with self._ready:
+            tasks = [task for tasks in self._groups.values() for task in tasks]
+            self._groups.clear()
+            return tasks
+
+    def stop(self, drivers: int) -> None:
+        with self._ready:
+            self._stopping += drivers
+            self._ready.notify_all()
+
+    def __len__(self) -> int:
+        with self._ready:
+            return sum(len(tasks) for tasks in self._groups.values())
 
 
 class KillablePool:
@@ -148,11 +227,12 @@ class KillablePool:
         self.timeout_s = timeout_s
         self.timeouts = 0
         self.crashes = 0
+        self.abandoned = 0
         self._counts_lock = threading.Lock()
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload([fn.__module__, *preload])
         self._workers = [_Worker(context, fn, memory_limit_mb * 1024 * 1024) for _ in range(workers)]
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue = FairQueue()
         self._threads: list[threading.Thread] = []
         self._closed = False
 
@@ -167,49 +247,67 @@ class KillablePool:
             thread.start()
             self._threads.append(thread)
 
-    def submit(self, *args) -> concurrent.futures.Future:
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def submit_task(self, *args, group: Hashable = None) -> Task:
         if self._closed:
             raise RuntimeError("the pool is closed")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._tasks.put((future, args))
-        return future
+        task = Task(args, group)
+        self._queue.put(task)
+        return task
 
-    async def run(self, *args) -> Outcome:
-        return await asyncio.wrap_future(self.submit(*args))
+    def submit(self, *args, group: Hashable = None) -> concurrent.futures.Future:
+        return self.submit_task(*args, group=group).future
+
+    async def run(self, *args, group: Hashable = None) -> Outcome:
+        """The task's outcome; cancelling the awaiting coroutine abandons the task."""
+        task = self.submit_task(*args, group=group)
+        try:
+            return await asyncio.wrap_future(task.future)
+        except asyncio.CancelledError:
+            task.abandon()
+            raise
 
     def _drive(self, worker: _Worker) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                break
-            future, args = task
-            if not future.set_running_or_notify_cancel():
-                continue
+        while (task := self._queue.get()) is not None:
+            if not task.future.set_running_or_notify_cancel():
+                continue  # abandoned while queued
+            task.future.set_result(self._run(worker, task))
+        worker.stop()
+
+    def _run(self, worker: _Worker, task: Task) -> Outcome:
+        """One task, retried once on a fresh process if its worker died (it may have died while idle)."""
+        for attempt in (1, 2):
             try:
-                outcome, event = worker.run(args, self.timeout_s)
+                outcome, event = worker.attempt(task, self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - e.g. a replacement worker that would not start
                 outcome, event = Outcome(error=f"scoring worker unavailable: {exc}"), "crash"
             if event:
-                with self._counts_lock:
-                    self.timeouts += event == "timeout"
-                    self.crashes += event == "crash"
-                log.warning("scoring task failed", extra={"error": outcome.error})
-            future.set_result(outcome)
-        worker.stop()
+                self._count(event)
+            if event != "crash" or attempt == 2 or task.abandoned.is_set():
+                break
+            log.warning("scoring worker died; trying the task once more on a fresh one")
+        if event in ("timeout", "crash"):
+            log.warning("scoring task failed", extra={"error": outcome.error})
+        return outcome
+
+    def _count(self, event: str) -> None:
+        with self._counts_lock:
+            self.timeouts += event == "timeout"
+            self.crashes += event == "crash"
+            self.abandoned += event == "abandoned"
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        while True:  # tasks nobody will run now: fail them rather than leave their callers waiting
-            try:
-                task = self._tasks.get_nowait()
-            except queue.Empty:
-                break
-            if task[0].set_running_or_notify_cancel():
-                task[0].set_result(Outcome(error="the scoring pool was closed"))
-        for _ in self._threads:
-            self._tasks.put(None)
+        # Tasks nobody will run now: fail them rather than leave their callers waiting.
+        for task in self._queue.drain():
+            if task.future.set_running_or_notify_cancel():
+                task.future.set_result(Outcome(error="the scoring pool was closed"))
+        self._queue.stop(len(self._threads))
         for thread, worker in zip(self._threads, self._workers):
             thread.join(self.timeout_s + 5.0)  # each thread stops its worker on the way out
             if thread.is_alive() and worker.process is not None:
