@@ -26,6 +26,9 @@ from services.data_server.schemas import (
 
 log = logging.getLogger("services.data_server")
 
+NOT_FOUND = {404: {"description": "Unknown dataset or split."}}
+SEED_SPLIT = "train"  # what GET /prompts serves and GET /stats counts unless told otherwise
+
 
 class DataServerSettings(ServiceSettings):
     """data-server: seeded, stateless, resumable prompt batches (env prefix DATA_SERVER_)."""
@@ -79,7 +82,7 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
     def get_store(state=Depends(require_ready)) -> DataStore:
         return state.store
 
-    @app.post("/v1/batches", response_model=BatchResponse, tags=["data"])
+    @app.post("/v1/batches", response_model=BatchResponse, tags=["data"], responses=NOT_FOUND)
     async def batches(request: BatchRequest, store: DataStore = Depends(get_store)) -> Response:
         if request.batch_size > settings.max_batch_size:
             raise ApiError(422, f"invalid request: batch_size: must be at most {settings.max_batch_size}")
@@ -95,16 +98,14 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
     def list_datasets(store: DataStore = Depends(get_store)) -> DatasetsResponse:
         return DatasetsResponse(datasets=store.describe())
 
-    @app.get("/prompts", response_model=SeedPromptBatch, tags=["seed-compatible"])
+    @app.get("/prompts", response_model=SeedPromptBatch, tags=["seed-compatible"], responses=NOT_FOUND)
     def prompts(
-        batch_size: int = Query(4, ge=1),
+        batch_size: int = Query(4, ge=1, le=settings.max_batch_size),
         shuffle: bool = Query(True),
         dataset: str | None = Query(None, description="Defaults to the first dataset."),
-        split: str = Query("train"),
+        split: str = Query(SEED_SPLIT),
         store: DataStore = Depends(get_store),
     ) -> SeedPromptBatch:
-        if batch_size > settings.max_batch_size:
-            raise ApiError(422, f"invalid request: batch_size: must be at most {settings.max_batch_size}")
         name = dataset or next(iter(store.datasets))
         try:
             items = store.split_items(name, split)
@@ -126,10 +127,23 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
     @app.get("/stats", response_model=SeedStats, tags=["seed-compatible"])
     def stats(store: DataStore = Depends(get_store)) -> SeedStats:
         described = store.describe()
+        default = described[0]
         return SeedStats(
-            total_prompts=sum(described[0]["splits"].values()),
-            dataset=described[0]["name"],
+            total_prompts=default["splits"].get(SEED_SPLIT, 0),
+            dataset=default["name"],
             datasets={d["name"]: d["splits"] for d in described},
         )
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        """The settings' limit on batch_size goes into the document (the route checks it with its own
+        message)."""
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            batch_size = schema["components"]["schemas"]["BatchRequest"]["properties"]["batch_size"]
+            batch_size["maximum"] = settings.max_batch_size
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.errors import clip
 from services.data_server.sources import Dataset
+
+# ASCII digits only (str.isdigit() also takes "²", which int() refuses), and few enough that int()
+# stays cheap: 18 digits is past any real epoch or offset.
+_CURSOR = re.compile(r"([0-9]{1,18})\.([0-9]{1,18})\.([0-9a-f]{8})")
 
 
 class RequestError(ValueError):
@@ -53,12 +59,12 @@ def encode_cursor(cursor: Cursor, print_: str) -> str:
 def decode_cursor(text: str | None, print_: str, size: int) -> Cursor:
     if not text:
         return Cursor(0, 0)
-    parts = text.split(".")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        raise CursorError(f"cursor {text[:64]!r} is malformed: expected '<epoch>.<offset>.<fingerprint>'")
-    if parts[2] != print_:
+    parts = _CURSOR.fullmatch(text)
+    if parts is None:
+        raise CursorError(f"cursor {clip(text, 64)} is malformed: expected '<epoch>.<offset>.<fingerprint>'")
+    if parts[3] != print_:
         raise CursorError("cursor was issued for another dataset, split, seed or dataset size")
-    cursor = Cursor(int(parts[0]), int(parts[1]))
+    cursor = Cursor(int(parts[1]), int(parts[2]))
     if cursor.offset >= size:
         raise CursorError(f"cursor offset {cursor.offset} is beyond the split's {size} items")
     return cursor
@@ -102,10 +108,10 @@ class DataStore:
 
     def split_items(self, dataset: str, split: str) -> list[dict]:
         if dataset not in self.datasets:
-            raise NotFound(f"unknown dataset {dataset!r}; available: {sorted(self.datasets)}")
+            raise NotFound(f"unknown dataset {clip(dataset)}; available: {sorted(self.datasets)}")
         splits = self.datasets[dataset].splits
         if split not in splits:
-            raise NotFound(f"dataset {dataset!r} has no split {split!r}; available: {sorted(splits)}")
+            raise NotFound(f"dataset {dataset!r} has no split {clip(split)}; available: {sorted(splits)}")
         return splits[split]
 
     def batch_json(self, dataset: str, split: str, batch_size: int, cursor: str | None) -> bytes:

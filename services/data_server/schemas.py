@@ -36,7 +36,9 @@ class Item(BaseModel):
 
 
 class BatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict types: `batch_size: true` or `"8"` is a 422, not a silent coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     dataset: str = Field("synthetic-arith", description="A name from GET /v1/datasets.")
     split: str = Field("train", description="A split of that dataset, e.g. train or test.")
@@ -78,6 +80,9 @@ class SeedPromptBatch(BaseModel):
 
 
 class SeedStats(BaseModel):
-    total_prompts: int
-    dataset: str
-    datasets: dict[str, dict[str, int]]
+    total_prompts: int = Field(
+        description="Prompts GET /prompts draws from by default (the first dataset's train split): "
+        "the same number as its total_available."
+    )
+    dataset: str = Field(description="The dataset GET /prompts serves by default.")
+    datasets: dict[str, dict[str, int]] = Field(description="Every dataset's split sizes.")

@@ -159,7 +159,10 @@ def test_datasets_seed_routes_and_metrics(servers):
         seed["prompts"][0]["ground_truth"] == "1000" and seed["prompts"][0]["question_id"] == "gsm8k/train/0"
     )
     stats = httpx.get(url + "/stats").json()
-    assert stats["dataset"] == "gsm8k" and stats["total_prompts"] == 40
+    default = httpx.get(url + "/prompts", params={"batch_size": 1}).json()
+    # /stats counts what /prompts serves by default (the first dataset's train split), as the seed did
+    assert stats["dataset"] == "gsm8k" and stats["total_prompts"] == default["total_available"] == 30
+    assert stats["datasets"]["gsm8k"] == {"train": 30, "test": 10}
     assert httpx.get(url + "/prompts", params={"batch_size": 0}).status_code == 422
     assert 'route="/v1/batches"' in httpx.get(url + "/metrics").text
 
