@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("services.errors")
@@ -148,3 +149,30 @@ def document_errors(schema: dict, auth: bool) -> dict:
         schema["security"] = [{"bearer": []}]
         schema["paths"]["/health"]["get"]["security"] = []
     return schema
+
+
+MAX_REPORTED_ERRORS = 20  # a batch of 4096 bad items should not produce a 4096-line message
+
+
+def load_json(body: bytes):
+    """Parse a body the route reads itself, or raise the 422 FastAPI would give. orjson also refuses
+    lone surrogates, which a tokenizer or a JSON encoder would choke on later."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body",),
+                    "msg": "JSON decode error",
+                    "ctx": {"error": str(exc)},
+                }
+            ]
+        ) from None
+
+
+def body_errors(exc: ValidationError) -> RequestValidationError:
+    """pydantic's errors for a body the route validated itself, as FastAPI's 422 (fields as sent)."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    return RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors[:MAX_REPORTED_ERRORS]])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, WithJsonSchema
 
 
 def _not_blank(query: str) -> str:
@@ -22,11 +22,14 @@ def _not_blank(query: str) -> str:
     return query
 
 
-Query = Annotated[StrictStr, AfterValidator(_not_blank)]
+# The schema says what the validator checks: some non-space character.
+Query = Annotated[StrictStr, AfterValidator(_not_blank), WithJsonSchema({"type": "string", "pattern": r"\S"})]
 
 
 class RetrieveRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict types: `topk: "3"` or `return_scores: "yes"` is a 422, not a silent coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     queries: list[Query] = Field(..., min_length=1, description="Search queries; one result list per query.")
     topk: int | None = Field(

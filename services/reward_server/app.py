@@ -16,14 +16,13 @@ import logging
 
 import orjson
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from services.common.app import create_service_app, require_ready, unless_disconnected
-from services.common.errors import ApiError
+from services.common.errors import ApiError, body_errors, load_json
 from services.common.settings import ServiceSettings
 from services.reward_server.schemas import (
     REWARDS_REQUEST,
@@ -42,7 +41,6 @@ from services.scoring import DEFAULT_OPTIONS, SCORER_DOCS, LocalScorer, Scored, 
 
 log = logging.getLogger("services.reward_server")
 
-MAX_REPORTED_ERRORS = 20  # a batch of 4096 bad items should not produce a 4096-line message
 PARSE_INLINE_BYTES = 256 * 1024  # ~1 ms of orjson; larger bodies are parsed off the event loop
 LIMIT_RESPONSES = {413: {"description": "Over a size limit."}}
 CHECKED_FIELDS = ("response", "prompt", "ground_truth")  # strings held to max_string_chars
@@ -68,28 +66,13 @@ def parse_body(body: bytes, adapter: TypeAdapter, max_items: int | None = None):
 
     With `max_items`, a body whose `items` list is longer gets its 413 before any item is validated.
     """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise RequestValidationError(
-            [
-                {
-                    "type": "json_invalid",
-                    "loc": ("body",),
-                    "msg": "JSON decode error",
-                    "ctx": {"error": str(exc)},
-                }
-            ]
-        ) from None
+    data = load_json(body)
     if max_items is not None and isinstance(data, dict) and isinstance(data.get("items"), list):
         check_count(len(data["items"]), max_items)
     try:
         return adapter.validate_python(data)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False, include_context=False)
-        raise RequestValidationError(
-            [{**error, "loc": ("body", *error["loc"])} for error in errors[:MAX_REPORTED_ERRORS]]
-        ) from None
+        raise body_errors(exc) from None
 
 
 def check_count(count: int, max_items: int) -> None:
