@@ -111,6 +111,7 @@ ERROR_STATUS_TEXT = {
     400: "The body is not readable (broken Content-Length, bytes that are not text).",
     401: "Missing or wrong bearer token.",
     404: "No such dataset / split (the message lists what exists).",
+    409: "The request conflicts with the data it names (e.g. a batch larger than its split).",
     413: "The request is over a size limit (body bytes, items, queries or string length); the message "
     "names the limit.",
     422: "A field is missing, of the wrong type or out of range; `detail` names each one.",

@@ -14,7 +14,7 @@ from services.common.app import create_service_app, require_ready
 from services.common.errors import ApiError
 from services.common.settings import ServiceSettings
 from services.data_server import sources
-from services.data_server.core import DataStore, NotFound, RequestError
+from services.data_server.core import DataStore, NotFound, RequestError, TooLarge
 from services.data_server.schemas import (
     BatchRequest,
     BatchResponse,
@@ -27,6 +27,10 @@ from services.data_server.schemas import (
 log = logging.getLogger("services.data_server")
 
 NOT_FOUND = {404: {"description": "Unknown dataset or split."}}
+BATCH_RESPONSES = {
+    **NOT_FOUND,
+    409: {"description": "batch_size is larger than the split (the split's size, not the schema, decides)."},
+}
 SEED_SPLIT = "train"  # what GET /prompts serves and GET /stats counts unless told otherwise
 
 
@@ -82,7 +86,7 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
     def get_store(state=Depends(require_ready)) -> DataStore:
         return state.store
 
-    @app.post("/v1/batches", response_model=BatchResponse, tags=["data"], responses=NOT_FOUND)
+    @app.post("/v1/batches", response_model=BatchResponse, tags=["data"], responses=BATCH_RESPONSES)
     async def batches(request: BatchRequest, store: DataStore = Depends(get_store)) -> Response:
         if request.batch_size > settings.max_batch_size:
             raise ApiError(422, f"invalid request: batch_size: must be at most {settings.max_batch_size}")
@@ -90,6 +94,8 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
             body = store.batch_json(request.dataset, request.split, request.batch_size, request.cursor)
         except NotFound as exc:
             raise ApiError(404, str(exc)) from None
+        except TooLarge as exc:
+            raise ApiError(409, f"invalid request: {exc}") from None
         except RequestError as exc:
             raise ApiError(422, f"invalid request: {exc}") from None
         return Response(body, media_type="application/json")

@@ -38,6 +38,10 @@ class CursorError(RequestError):
         super().__init__("cursor", message)
 
 
+class TooLarge(RequestError):
+    """A batch larger than its split: it would hold some prompts twice (409, the split's size decides)."""
+
+
 class NotFound(LookupError):
     """Unknown dataset or split; the message lists what exists."""
 
@@ -118,7 +122,8 @@ class DataStore:
         """The whole BatchResponse body as JSON bytes."""
         size = len(self.split_items(dataset, split))
         if batch_size > size:
-            raise RequestError("batch_size", f"{batch_size} is larger than split {split!r} ({size} items)")
+            problem = f"{batch_size} is larger than split {split!r} ({size} items): it would repeat items"
+            raise TooLarge("batch_size", problem)
         print_ = fingerprint(dataset, split, self.seed, size)
         start = decode_cursor(cursor, print_, size)
         indices, after = window(self.seed, dataset, split, size, start, batch_size)

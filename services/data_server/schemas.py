@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from services.common.wire import JsonInt
 from pydantic import BaseModel, ConfigDict, Field
 
 # verl's GSM8K preprocessing appends exactly this to each question.
@@ -42,7 +43,9 @@ class BatchRequest(BaseModel):
 
     dataset: str = Field("synthetic-arith", description="A name from GET /v1/datasets.")
     split: str = Field("train", description="A split of that dataset, e.g. train or test.")
-    batch_size: int = Field(..., ge=1, description="Items to return (at most the server's max_batch_size).")
+    batch_size: JsonInt = Field(
+        ..., ge=1, description="Items to return (at most the server's max_batch_size)."
+    )
     cursor: str | None = Field(
         None, description="next_cursor of the previous batch; omit to start at epoch 0, offset 0."
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from services.common.wire import JsonInt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, WithJsonSchema
 
 
@@ -32,7 +33,7 @@ class RetrieveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     queries: list[Query] = Field(..., min_length=1, description="Search queries; one result list per query.")
-    topk: int | None = Field(
+    topk: JsonInt | None = Field(
         None, description="Passages per query, 1..max_topk; omitted or null: the server's default_topk."
     )
     return_scores: bool = Field(

@@ -16,6 +16,7 @@ import logging
 
 import orjson
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
@@ -23,6 +24,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.app import create_service_app, require_ready, unless_disconnected
 from services.common.errors import ApiError, body_errors, load_json
+from services.reward_server.body import TooManyItems, load_rewards_body
 from services.common.settings import ServiceSettings
 from services.reward_server.schemas import (
     REWARDS_REQUEST,
@@ -41,9 +43,9 @@ from services.scoring import DEFAULT_OPTIONS, SCORER_DOCS, LocalScorer, Scored, 
 
 log = logging.getLogger("services.reward_server")
 
-PARSE_INLINE_BYTES = 256 * 1024  # ~1 ms of orjson; larger bodies are parsed off the event loop
+PARSE_INLINE_BYTES = 256 * 1024  # ~1 ms of orjson; larger bodies are read item by item, in a thread
 LIMIT_RESPONSES = {413: {"description": "Over a size limit."}}
-CHECKED_FIELDS = ("response", "prompt", "ground_truth")  # strings held to max_string_chars
+CHECKED_FIELDS = ("response", "prompt", "ground_truth", "data_source")  # held to max_string_chars
 
 
 class RewardServerSettings(ScorerSettings, ServiceSettings):
@@ -64,9 +66,27 @@ class RewardServerSettings(ScorerSettings, ServiceSettings):
 def parse_body(body: bytes, adapter: TypeAdapter, max_items: int | None = None):
     """JSON bytes -> validated data, or the 422 FastAPI would give (fields named as the caller wrote them).
 
-    With `max_items`, a body whose `items` list is longer gets its 413 before any item is validated.
+    With `max_items`, a body whose `items` list is longer gets its 413 before any item is validated;
+    a body over PARSE_INLINE_BYTES is read item by item (services.reward_server.body), stopping at
+    max_items + 1.
     """
-    data = load_json(body)
+    if max_items is None or len(body) <= PARSE_INLINE_BYTES:
+        data = load_json(body)
+    else:
+        try:
+            data = load_rewards_body(body, max_items)
+        except TooManyItems:
+            raise ApiError(
+                413, f"items: more than the limit of {max_items} per request; split the batch"
+            ) from None
+        except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError and the scanner's own
+            error = {
+                "type": "json_invalid",
+                "loc": ("body",),
+                "msg": "JSON decode error",
+                "ctx": {"error": str(exc)},
+            }
+            raise RequestValidationError([error]) from None
     if max_items is not None and isinstance(data, dict) and isinstance(data.get("items"), list):
         check_count(len(data["items"]), max_items)
     try:
@@ -88,10 +108,25 @@ def check_sizes(items: list, max_items: int, max_chars: int) -> None:
     for index, item in enumerate(items):
         for field in CHECKED_FIELDS:
             value = item.get(field) if isinstance(item, dict) else getattr(item, field, None)
-            if isinstance(value, str) and len(value) > max_chars:
+            if not isinstance(value, str):
+                continue
+            if len(value) > max_chars:
                 raise ApiError(
                     413, f"items.{index}.{field}: {len(value)} characters, more than the limit of {max_chars}"
                 )
+            if not value.isascii() and not encodable(value):
+                raise ApiError(
+                    422, f"invalid request: items.{index}.{field}: not valid Unicode (lone surrogate)"
+                )
+
+
+def encodable(text: str) -> bool:
+    """False for text with a lone surrogate ("\\ud800"): it cannot be written back as UTF-8 JSON."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_batch(body: bytes, settings: RewardServerSettings) -> dict:

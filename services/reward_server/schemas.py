@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator, with_config
+from services.common.wire import JsonInt
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, with_config
 from typing_extensions import NotRequired, TypedDict
 
 ScorerName = Literal["gsm8k", "math", "qa_em", "qa_f1", "model"]
@@ -52,15 +53,16 @@ class RewardOptions(BaseModel):
         False,
         description="DAPO overlong shaping; needs extra_info.response_length (tokens) on every item.",
     )
-    overlong_max_len: int = Field(
+    overlong_max_len: JsonInt = Field(
         4096, ge=1, le=MAX_TOKENS, description="Longest response (tokens) the rollout may produce."
     )
-    overlong_buffer_len: int = Field(
+    overlong_buffer_len: JsonInt = Field(
         1024,
         ge=0,
         le=MAX_TOKENS,
         description="The penalty grows linearly over the last this-many tokens before max_len "
-        "(0: a full penalty only beyond max_len).",
+        "(0: a full penalty only beyond max_len). A buffer longer than max_len keeps the same slope, "
+        "so even short responses get part of the penalty (the trainer never sends one).",
     )
     overlong_penalty_factor: float = Field(
         1.0, ge=0, le=MAX_TERM, description="Penalty at (and beyond) max_len."
@@ -72,12 +74,6 @@ class RewardOptions(BaseModel):
         description="Deadline of this request in seconds; items not scored by then get a deadline error. "
         "At most the server's request_deadline_s (GET /v1/scorers); unset: that.",
     )
-
-    @model_validator(mode="after")
-    def _buffer_fits(self) -> RewardOptions:
-        if self.overlong_buffer_len > self.overlong_max_len:
-            raise ValueError("overlong_buffer_len must not exceed overlong_max_len")
-        return self
 
 
 class RewardItem(BaseModel):

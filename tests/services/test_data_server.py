@@ -120,7 +120,7 @@ def test_items_carry_verl_fields(servers):
         ({"dataset": "gsm8k", "batch_size": 0}, 422, "batch_size"),
         ({"dataset": "gsm8k", "batch_size": -5}, 422, "batch_size"),
         ({"dataset": "gsm8k", "batch_size": 5000}, 422, "batch_size: must be at most 4096"),
-        ({"dataset": "gsm8k", "batch_size": 31}, 422, "batch_size"),  # larger than the 30-item split
+        ({"dataset": "gsm8k", "batch_size": 31}, 409, "batch_size: 31 is larger than split 'train'"),
         ({"dataset": "nope", "batch_size": 2}, 404, "available: ['gsm8k', 'synthetic-arith']"),
         ({"dataset": "gsm8k", "split": "dev", "batch_size": 2}, 404, "available: ['test', 'train']"),
         ({"dataset": "gsm8k", "batch_size": 2, "cursor": "garbage"}, 422, "cursor"),
