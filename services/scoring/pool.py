@@ -8,8 +8,8 @@ once more on the fresh process (a worker that died while idle must not cost the 
 item); only a task that kills two workers fails, with `Outcome.error` saying why.
 
 Tasks are queued per `group` (the reward-server uses one group per request) and the workers take
-them round-robin across groups, so a request of many slow items cannot hold back another request's
-one quick item for longer than the items already running. A caller that stops waiting (its client
+next from the group served least so far, so a request of many slow items cannot hold back another
+request's one quick item for longer than the items already running. A caller that stops waiting (its client
 went away, its request deadline passed) abandons its tasks: queued ones are dropped, a running one
 has its worker killed and replaced.
 
@@ -51,9 +51,11 @@ class Task:
     group: Hashable
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     abandoned: threading.Event = field(default_factory=threading.Event)
+    reason: str = "abandoned by its request"
 
-    def abandon(self) -> None:
+    def abandon(self, reason: str | None = None) -> None:
         """Drop the task if it is still queued; kill its worker if it is running."""
+        self.reason = reason or self.reason
         self.abandoned.set()
         self.future.cancel()
 
@@ -141,8 +143,8 @@ class _Worker:
         except OSError:
             answered = True  # broken pipe: the recv below sees the EOF and reports the crash
         if answered is None:
-            self.restart()
-            return Outcome(error="abandoned by its request"), "abandoned"
+            self.stop(kill=True)  # the next task starts a fresh process (none is needed if we are closing)
+            return Outcome(error=task.reason), "abandoned"
         if not answered:
             self.restart()
             return Outcome(error=f"timed out after {timeout_s:g}s"), "timeout"
@@ -169,16 +171,22 @@ class _Worker:
 
 
 class FairQueue:
-    """Tasks queued per group, handed out round-robin across groups (FIFO within one group)."""
+    """Tasks queued per group; the next task comes from the group that has had the fewest so far
+    (the oldest such group on a tie), FIFO within a group. A newcomer's first item thus goes before a
+    large group's next one, and groups that keep coming back share the workers evenly."""
 
     def __init__(self) -> None:
-        self._groups: collections.OrderedDict[Hashable, collections.deque] = collections.OrderedDict()
+        self._groups: dict[Hashable, collections.deque] = {}  # insertion order = arrival order
+        self._taken: dict[Hashable, int] = {}
         self._ready = threading.Condition()
         self._stopping = 0
 
     def put(self, task: Task) -> None:
         with self._ready:
-            self._groups.setdefault(task.group, collections.deque()).append(task)
+            if task.group not in self._groups:
+                self._groups[task.group] = collections.deque()
+                self._taken.setdefault(task.group, 0)
+            self._groups[task.group].append(task)
             self._ready.notify()
 
     def get(self) -> Task | None:
@@ -189,17 +197,20 @@ class FairQueue:
             if not self._groups:
                 self._stopping -= 1
                 return None
-            group, tasks = next(iter(self._groups.items()))
+            group = min(self._groups, key=self._taken.__getitem__)  # min() keeps the first of equals
+            tasks = self._groups[group]
             task = tasks.popleft()
-            del self._groups[group]
-            if tasks:  # back of the line: the next group goes first
-                self._groups[group] = tasks
+            self._taken[group] += 1
+            if not tasks:
+                del self._groups[group]
+                del self._taken[group]
             return task
 
     def drain(self) -> list[Task]:
         with self._ready:
             tasks = [task for tasks in self._groups.values() for task in tasks]
             self._groups.clear()
+            self._taken.clear()
             return tasks
 
     def stop(self, drivers: int) -> None:
@@ -233,6 +244,7 @@ class KillablePool:
         context.set_forkserver_preload([fn.__module__, *preload])
         self._workers = [_Worker(context, fn, memory_limit_mb * 1024 * 1024) for _ in range(workers)]
         self._queue = FairQueue()
+        self._running: dict[int, Task] = {}  # driver index -> the task its worker is running
         self._threads: list[threading.Thread] = []
         self._closed = False
 
@@ -242,7 +254,7 @@ class KillablePool:
             worker.start()
         for index, worker in enumerate(self._workers):
             thread = threading.Thread(
-                target=self._drive, args=(worker,), name=f"pool-worker-{index}", daemon=True
+                target=self._drive, args=(index, worker), name=f"pool-worker-{index}", daemon=True
             )
             thread.start()
             self._threads.append(thread)
@@ -270,11 +282,14 @@ class KillablePool:
             task.abandon()
             raise
 
-    def _drive(self, worker: _Worker) -> None:
+    def _drive(self, index: int, worker: _Worker) -> None:
         while (task := self._queue.get()) is not None:
             if not task.future.set_running_or_notify_cancel():
-                continue  # abandoned while queued
+                self._count("abandoned")  # dropped while queued: its request ended
+                continue
+            self._running[index] = task
             task.future.set_result(self._run(worker, task))
+            self._running.pop(index, None)
         worker.stop()
 
     def _run(self, worker: _Worker, task: Task) -> Outcome:
@@ -307,6 +322,8 @@ class KillablePool:
         for task in self._queue.drain():
             if task.future.set_running_or_notify_cancel():
                 task.future.set_result(Outcome(error="the scoring pool was closed"))
+        for task in list(self._running.values()):  # nobody will wait for these: stop them now
+            task.abandon("the scoring pool was closed")
         self._queue.stop(len(self._threads))
         for thread, worker in zip(self._threads, self._workers):
             thread.join(self.timeout_s + 5.0)  # each thread stops its worker on the way out

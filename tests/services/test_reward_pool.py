@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.scoring.pool import KillablePool
+from services.scoring.pool import FairQueue, KillablePool, Task
 
 
 def task(kind: str, arg):
@@ -105,7 +105,20 @@ def test_close_fails_queued_tasks_and_stops_the_workers():
     queued = [pool.submit("echo", i) for i in range(3)]
     pool.close()
     assert all(f.result(1).error == "the scoring pool was closed" for f in queued)
-    assert running.result(1).error == "timed out after 0.5s"
+    assert running.result(1).error == "the scoring pool was closed"  # stopped, not left to its deadline
     assert not process.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit("echo", 1)
+
+
+def test_fair_queue_serves_the_least_served_group_first():
+    queue = FairQueue()
+    for i in range(3):
+        queue.put(Task(("a", i), group="big"))
+    first = queue.get()
+    queue.put(Task(("b", 0), group="small"))  # arrives while the big group's first item runs
+    queue.put(Task(("c", 0), group="other"))
+    order = [first.args] + [queue.get().args for _ in range(4)]
+    # newcomers (0 served) before the big group's second item; then the big group finishes in order
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("a", 2)]
+    assert len(queue) == 0
