@@ -145,7 +145,8 @@ class BodyLimitMiddleware:
 
 
 class BearerAuthMiddleware:
-    OPEN_PATHS = ("/health",)
+    # The API's description is no secret, and schema-driven clients need it to find the routes.
+    OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 
     def __init__(self, app, token: str) -> None:
         self.app = app

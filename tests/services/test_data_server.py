@@ -127,6 +127,19 @@ def test_items_carry_verl_fields(servers):
         ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.99.abc"}, 422, "cursor"),
         ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.999999.00000000"}, 422, "cursor"),
         ({"dataset": "gsm8k", "batch_size": "many"}, 422, "batch_size"),
+        ({"dataset": "gsm8k", "batch_size": True}, 422, "batch_size: Input should be a valid integer"),
+        ({"dataset": "gsm8k", "batch_size": "3"}, 422, "batch_size: Input should be a valid integer"),
+        # issue 10: an epoch that int() refuses, or 4,301 digits (past int()'s limit), was a 500
+        (
+            {"dataset": "gsm8k", "batch_size": 2, "cursor": "\u00b2.0.ce61368b"},
+            422,
+            "cursor '\u00b2.0.ce61368b'",
+        ),
+        (
+            {"dataset": "gsm8k", "batch_size": 2, "cursor": "9" * 4301 + ".0.ce61368b"},
+            422,
+            "(4312 characters)",
+        ),
         ({"dataset": "gsm8k"}, 422, "batch_size: Field required"),
     ],
 )
@@ -135,6 +148,13 @@ def test_bad_input_is_a_clear_4xx(servers, body, status, needle):
     response = post_batch(url, **body)
     assert response.status_code == status, response.text
     assert needle in response.json()["error"]
+
+
+def test_a_huge_unknown_name_is_not_echoed_back(servers):
+    url, _ = servers
+    response = post_batch(url, dataset="n" * (15 * 1024 * 1024), batch_size=2)
+    assert response.status_code == 404
+    assert len(response.content) < 500 and "(15728640 characters); available:" in response.json()["error"]
 
 
 def test_cursor_from_another_split_is_refused(servers):
