@@ -141,6 +141,8 @@ def create_app(settings: RetrievalServerSettings | None = None) -> FastAPI:
         if settings.index is None:
             raise ValueError("no index folder given (--index DIR or RETRIEVAL_SERVER_INDEX)")
         logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs every SIMD variant it tries
+        # bm25s logs one INFO line per empty query (a query of stopwords): thousands per request.
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
         threads = settings.threads or default_threads()
         retriever = load_retriever(
             settings.index,
