@@ -105,17 +105,9 @@ def create_service_app(
 
     @app.get("/health", tags=["ops"], response_model=HealthResponse, responses=HEALTH_RESPONSES)
     async def health(request: Request) -> JSONResponse:
-        state = request.app.state
-        if state.load_error is not None:
-            return JSONResponse(
-                {"status": "failed", "service": name, "error": state.load_error}, status_code=503
-            )
-        if not state.ready:
-            return JSONResponse({"status": "loading", "service": name}, status_code=503)
-        busy = state.saturation() if state.saturation is not None else None
-        if busy is not None:
-            return JSONResponse({"status": "saturated", "service": name, "reason": busy}, status_code=503)
-        return JSONResponse({"status": "ok", "service": name, "version": version, **state.health_info})
+        body = health_body(request.app.state, name)
+        status = 200 if body["status"] == "ok" else 503
+        return JSONResponse({**body, "version": version} if status == 200 else body, status_code=status)
 
     @app.get("/metrics", tags=["ops"], response_class=Response, responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
@@ -130,6 +122,18 @@ def create_service_app(
 
     app.openapi = openapi
     return app
+
+
+def health_body(state, name: str) -> dict:
+    """What /health says: failed or loading (503), saturated (503), or ok with the service's details."""
+    if state.load_error is not None:
+        return {"status": "failed", "service": name, "error": state.load_error}
+    if not state.ready:
+        return {"status": "loading", "service": name}
+    busy = state.saturation() if state.saturation is not None else None
+    if busy is not None:
+        return {"status": "saturated", "service": name, "reason": busy}
+    return {"status": "ok", "service": name, **state.health_info}
 
 
 async def until_disconnected(request: Request) -> None:

@@ -118,17 +118,7 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
         except NotFound as exc:
             raise ApiError(404, str(exc)) from None
         chosen = random.sample(items, min(batch_size, len(items))) if shuffle else items[:batch_size]
-        return SeedPromptBatch(
-            prompts=[
-                SeedPrompt(
-                    prompt=item["prompt"][-1]["content"],
-                    ground_truth=str(item["reward_model"]["ground_truth"]),
-                    question_id=item["uid"],
-                )
-                for item in chosen
-            ],
-            total_available=len(items),
-        )
+        return SeedPromptBatch(prompts=[seed_prompt(item) for item in chosen], total_available=len(items))
 
     @app.get("/stats", response_model=SeedStats, tags=["seed-compatible"])
     def stats(store: DataStore = Depends(get_store)) -> SeedStats:
@@ -140,11 +130,15 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
             datasets={d["name"]: d["splits"] for d in described},
         )
 
+    document_limits(app, settings)
+    return app
+
+
+def document_limits(app: FastAPI, settings: DataServerSettings) -> None:
+    """The settings' limit on batch_size goes into the document (the route checks it with its own message)."""
     base_openapi = app.openapi
 
     def openapi() -> dict:
-        """The settings' limit on batch_size goes into the document (the route checks it with its own
-        message)."""
         if app.openapi_schema is None:
             schema = base_openapi()
             batch_size = schema["components"]["schemas"]["BatchRequest"]["properties"]["batch_size"]
@@ -152,4 +146,11 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
         return app.openapi_schema
 
     app.openapi = openapi
-    return app
+
+
+def seed_prompt(item: dict) -> SeedPrompt:
+    return SeedPrompt(
+        prompt=item["prompt"][-1]["content"],
+        ground_truth=str(item["reward_model"]["ground_truth"]),
+        question_id=item["uid"],
+    )

@@ -132,50 +132,55 @@ def document_limits(app: FastAPI, settings: RetrievalServerSettings) -> None:
     app.openapi = openapi
 
 
+def load_state(app: FastAPI, settings: RetrievalServerSettings) -> None:
+    """Open the index, warm it up, and start the batcher (runs in a thread while /health says loading)."""
+    from services.retrieval_server.embedder import default_threads, set_threads
+
+    if settings.index is None:
+        raise ValueError("no index folder given (--index DIR or RETRIEVAL_SERVER_INDEX)")
+    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs every SIMD variant it tries
+    # bm25s logs one INFO line per empty query (a query of stopwords): thousands per request.
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    threads = settings.threads or default_threads()
+    retriever = load_retriever(
+        settings.index,
+        settings.embedder,
+        query_prefix=settings.query_prefix,
+        precision=settings.query_precision,
+        device=settings.device,
+        ef_search=settings.ef_search,
+        nprobe=settings.nprobe,
+        threads=threads,
+    )
+    dense = retriever.manifest.embedder is not None
+    warm_up = SearchJob(["warm-up query"], 1, True)
+    retriever.answer([Slice(warm_up.queries, warm_up.options)])  # first-call costs before /health is ok
+    metrics = BatchMetrics(app.state.metrics.registry, "retrieval_server")
+    app.state.retriever = retriever
+    app.state.batcher = FairBatcher(
+        retriever.answer,
+        max_queries=settings.max_batch_queries,
+        max_cost=settings.max_batch_tokens,
+        max_wait_s=settings.max_wait_ms / 1000,
+        saturated_after_s=settings.saturated_after_s,
+        metrics=metrics,
+        worker_init=(lambda: set_threads(threads)) if dense else None,
+    )
+    app.state.saturation = app.state.batcher.saturation
+    manifest = retriever.manifest
+    app.state.health_info = {
+        "index": manifest.index_type,
+        "passages": manifest.count,
+        "embedder": manifest.embedder.name if manifest.embedder else None,
+        "dimension": manifest.embedder.dimension if manifest.embedder else None,
+    }
+
+
 def create_app(settings: RetrievalServerSettings | None = None) -> FastAPI:
     settings = settings or RetrievalServerSettings()
 
     def load(app: FastAPI) -> None:
-        from services.retrieval_server.embedder import default_threads, set_threads
-
-        if settings.index is None:
-            raise ValueError("no index folder given (--index DIR or RETRIEVAL_SERVER_INDEX)")
-        logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs every SIMD variant it tries
-        # bm25s logs one INFO line per empty query (a query of stopwords): thousands per request.
-        logging.getLogger("bm25s").setLevel(logging.WARNING)
-        threads = settings.threads or default_threads()
-        retriever = load_retriever(
-            settings.index,
-            settings.embedder,
-            query_prefix=settings.query_prefix,
-            precision=settings.query_precision,
-            device=settings.device,
-            ef_search=settings.ef_search,
-            nprobe=settings.nprobe,
-            threads=threads,
-        )
-        dense = retriever.manifest.embedder is not None
-        warm_up = SearchJob(["warm-up query"], 1, True)
-        retriever.answer([Slice(warm_up.queries, warm_up.options)])  # first-call costs before /health is ok
-        metrics = BatchMetrics(app.state.metrics.registry, "retrieval_server")
-        app.state.retriever = retriever
-        app.state.batcher = FairBatcher(
-            retriever.answer,
-            max_queries=settings.max_batch_queries,
-            max_cost=settings.max_batch_tokens,
-            max_wait_s=settings.max_wait_ms / 1000,
-            saturated_after_s=settings.saturated_after_s,
-            metrics=metrics,
-            worker_init=(lambda: set_threads(threads)) if dense else None,
-        )
-        app.state.saturation = app.state.batcher.saturation
-        manifest = retriever.manifest
-        app.state.health_info = {
-            "index": manifest.index_type,
-            "passages": manifest.count,
-            "embedder": manifest.embedder.name if manifest.embedder else None,
-            "dimension": manifest.embedder.dimension if manifest.embedder else None,
-        }
+        load_state(app, settings)
 
     def close(app: FastAPI) -> None:
         app.state.batcher.close()

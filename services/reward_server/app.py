@@ -243,11 +243,7 @@ def create_app(settings: RewardServerSettings | None = None, scorer: LocalScorer
 
     def load(app: FastAPI) -> None:
         app.state.scorer = scorer or LocalScorer(settings)
-        app.state.health_info = {
-            "scorers": [name for name in SCORER_DOCS if app.state.scorer.available(name)],
-            "math_workers": app.state.scorer.settings.math_workers,
-            "reward_model": app.state.scorer.settings.reward_model,
-        }
+        app.state.health_info = health_info(app.state.scorer)
 
     def close(app: FastAPI) -> None:
         if scorer is None:  # only what load() made; a scorer passed in belongs to the caller
@@ -264,13 +260,7 @@ def create_app(settings: RewardServerSettings | None = None, scorer: LocalScorer
     @app.post("/v1/rewards", response_model=RewardsResponse, tags=["rewards"], responses=LIMIT_RESPONSES)
     async def rewards(request: Request, scorer: LocalScorer = Depends(get_scorer)) -> Response:
         """Score a batch; an item that cannot be scored gets `error` and score 0, the rest are unaffected."""
-        body = await request.body()
-        if len(body) <= PARSE_INLINE_BYTES:
-            parsed = read_batch(body, settings)
-        else:
-            async with big_parses:
-                parsed = await asyncio.to_thread(read_batch, body, settings)
-        del body
+        parsed = await read_request(request, settings, big_parses)
         scored = await unless_disconnected(
             request, scorer.score_items(parsed["items"], parsed.get("options"))
         )
@@ -283,20 +273,7 @@ def create_app(settings: RewardServerSettings | None = None, scorer: LocalScorer
 
     @app.get("/v1/scorers", response_model=ScorersResponse, tags=["rewards"])
     def scorers(scorer: LocalScorer = Depends(get_scorer)) -> ScorersResponse:
-        return ScorersResponse(
-            scorers=[
-                ScorerInfo(name=name, **doc._asdict(), available=scorer.available(name))
-                for name, doc in SCORER_DOCS.items()
-            ],
-            default_options=DEFAULT_OPTIONS,
-            limits=Limits(
-                max_items=settings.max_items,
-                max_string_chars=settings.max_string_chars,
-                max_request_bytes=settings.max_request_bytes,
-                math_timeout_s=scorer.settings.math_timeout_s,
-                request_deadline_s=scorer.settings.request_deadline_s,
-            ),
-        )
+        return describe_scorers(scorer, settings)
 
     @app.get("/stats", response_model=SeedStats, tags=["seed-compatible"])
     def stats(scorer: LocalScorer = Depends(get_scorer)) -> SeedStats:
@@ -315,16 +292,57 @@ def create_app(settings: RewardServerSettings | None = None, scorer: LocalScorer
     )
     def seed_batch_reward(batch: SeedBatchRequest, _=Depends(require_ready)) -> SeedBatchResult:
         check_sizes(batch.items, settings.max_items, settings.max_string_chars)
-        rewards = [score_seed_item(item) for item in batch.items]
-        metrics.items.labels("gsm8k").inc(len(rewards))
-        accuracy = sum(r.correct for r in rewards) / len(rewards) if rewards else 0.0
-        return SeedBatchResult(rewards=rewards, accuracy=accuracy)
-
-    def score_seed_item(item: SeedRewardRequest) -> SeedRewardResult:
-        result, rule = gsm8k.score_seed(item.response, item.ground_truth)
-        details = rule if result.extracted is not None else "no number found in the response"
-        return SeedRewardResult(
-            reward=result.score, correct=result.correct, extracted_answer=result.extracted, details=details
-        )
+        metrics.items.labels("gsm8k").inc(len(batch.items))
+        return score_seed_batch(batch)
 
     return app
+
+
+async def read_request(
+    request: Request, settings: RewardServerSettings, big_parses: asyncio.Semaphore
+) -> dict:
+    """The validated /v1/rewards body; a large one is read in a thread, one at a time (memory)."""
+    body = await request.body()
+    if len(body) <= PARSE_INLINE_BYTES:
+        return read_batch(body, settings)
+    async with big_parses:
+        return await asyncio.to_thread(read_batch, body, settings)
+
+
+def health_info(scorer: LocalScorer) -> dict:
+    return {
+        "scorers": [name for name in SCORER_DOCS if scorer.available(name)],
+        "math_workers": scorer.settings.math_workers,
+        "reward_model": scorer.settings.reward_model,
+    }
+
+
+def score_seed_batch(batch: SeedBatchRequest) -> SeedBatchResult:
+    rewards = [score_seed_item(item) for item in batch.items]
+    accuracy = sum(r.correct for r in rewards) / len(rewards) if rewards else 0.0
+    return SeedBatchResult(rewards=rewards, accuracy=accuracy)
+
+
+def score_seed_item(item: SeedRewardRequest) -> SeedRewardResult:
+    result, rule = gsm8k.score_seed(item.response, item.ground_truth)
+    details = rule if result.extracted is not None else "no number found in the response"
+    return SeedRewardResult(
+        reward=result.score, correct=result.correct, extracted_answer=result.extracted, details=details
+    )
+
+
+def describe_scorers(scorer: LocalScorer, settings: RewardServerSettings) -> ScorersResponse:
+    return ScorersResponse(
+        scorers=[
+            ScorerInfo(name=name, **doc._asdict(), available=scorer.available(name))
+            for name, doc in SCORER_DOCS.items()
+        ],
+        default_options=DEFAULT_OPTIONS,
+        limits=Limits(
+            max_items=settings.max_items,
+            max_string_chars=settings.max_string_chars,
+            max_request_bytes=settings.max_request_bytes,
+            math_timeout_s=scorer.settings.math_timeout_s,
+            request_deadline_s=scorer.settings.request_deadline_s,
+        ),
+    )
