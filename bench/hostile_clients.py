@@ -2,8 +2,8 @@
 
 For each service, two runs of `--seconds` each against a fresh server process:
   baseline: `--clients - 1` good clients, back to back;
-  hostile:  the same good clients plus one client that sends, in a loop, the inputs that used to take
-            a server down (below), each in its own request.
+  hostile:  the same good clients plus one client that sends the inputs that used to take a server
+            down (below), each in its own request, every input in its own loop.
 Reported: the good clients' requests, failures (any non-200 or transport error), p50/p99 latency and
 throughput, the hostile client's statuses, and the load average (the machine may be shared). The aim:
 no good request fails and the good p99 with the hostile client stays within 2x of the baseline.
@@ -164,7 +164,7 @@ async def run_phase(url: str, path: str, good_body, good_clients: int, seconds: 
                             hostile_statuses[f"{name}:{type(exc).__name__}"] += 1
 
         tasks = [asyncio.ensure_future(good()) for _ in range(good_clients)]
-        bad_task = asyncio.ensure_future(bad()) if hostile else None
+        bad_task = asyncio.ensure_future(hostile_client()) if hostile else None
         began = time.perf_counter()
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - began
