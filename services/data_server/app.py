@@ -14,7 +14,7 @@ from services.common.app import create_service_app, require_ready
 from services.common.errors import ApiError
 from services.common.settings import ServiceSettings
 from services.data_server import sources
-from services.data_server.core import DataStore, NotFound, RequestError, TooLarge
+from services.data_server.core import Conflict, DataStore, NotFound, RequestError
 from services.data_server.schemas import (
     BatchRequest,
     BatchResponse,
@@ -29,7 +29,7 @@ log = logging.getLogger("services.data_server")
 NOT_FOUND = {404: {"description": "Unknown dataset or split."}}
 BATCH_RESPONSES = {
     **NOT_FOUND,
-    409: {"description": "batch_size is larger than the split (the split's size, not the schema, decides)."},
+    409: {"description": "A batch larger than the split, or a cursor issued for another split."},
 }
 SEED_SPLIT = "train"  # what GET /prompts serves and GET /stats counts unless told otherwise
 
@@ -94,7 +94,7 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
             body = store.batch_json(request.dataset, request.split, request.batch_size, request.cursor)
         except NotFound as exc:
             raise ApiError(404, str(exc)) from None
-        except TooLarge as exc:
+        except Conflict as exc:
             raise ApiError(409, f"invalid request: {exc}") from None
         except RequestError as exc:
             raise ApiError(422, f"invalid request: {exc}") from None

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.errors import clip
+from services.data_server.schemas import CURSOR_PATTERN
 from services.data_server.sources import Dataset
 
-# ASCII digits only (str.isdigit() also takes "²", which int() refuses), and few enough that int()
-# stays cheap: 18 digits is past any real epoch or offset.
-_CURSOR = re.compile(r"([0-9]{1,18})\.([0-9]{1,18})\.([0-9a-f]{8})")
+_CURSOR = re.compile(CURSOR_PATTERN)
 
 
 class RequestError(ValueError):
@@ -38,8 +37,9 @@ class CursorError(RequestError):
         super().__init__("cursor", message)
 
 
-class TooLarge(RequestError):
-    """A batch larger than its split: it would hold some prompts twice (409, the split's size decides)."""
+class Conflict(RequestError):
+    """A well-formed request that does not fit the split it names (409): a batch larger than the split,
+    a cursor issued for another dataset, split, seed or size. The schema cannot say these; the data does."""
 
 
 class NotFound(LookupError):
@@ -67,10 +67,10 @@ def decode_cursor(text: str | None, print_: str, size: int) -> Cursor:
     if parts is None:
         raise CursorError(f"cursor {clip(text, 64)} is malformed: expected '<epoch>.<offset>.<fingerprint>'")
     if parts[3] != print_:
-        raise CursorError("cursor was issued for another dataset, split, seed or dataset size")
+        raise Conflict("cursor", "cursor was issued for another dataset, split, seed or dataset size")
     cursor = Cursor(int(parts[1]), int(parts[2]))
     if cursor.offset >= size:
-        raise CursorError(f"cursor offset {cursor.offset} is beyond the split's {size} items")
+        raise Conflict("cursor", f"cursor offset {cursor.offset} is beyond the split's {size} items")
     return cursor
 
 
@@ -123,7 +123,7 @@ class DataStore:
         size = len(self.split_items(dataset, split))
         if batch_size > size:
             problem = f"{batch_size} is larger than split {split!r} ({size} items): it would repeat items"
-            raise TooLarge("batch_size", problem)
+            raise Conflict("batch_size", problem)
         print_ = fingerprint(dataset, split, self.seed, size)
         start = decode_cursor(cursor, print_, size)
         indices, after = window(self.seed, dataset, split, size, start, batch_size)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from services.common.wire import JsonInt
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.wire import JsonInt
 
 # verl's GSM8K preprocessing appends exactly this to each question.
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -36,6 +37,11 @@ class Item(BaseModel):
     extra_info: dict[str, Any] = Field(default_factory=dict)
 
 
+# `<epoch>.<offset>.<fingerprint>`: ASCII digits only (str.isdigit() also takes "²", which int() refuses)
+# and few enough that int() stays cheap; 18 digits is past any real epoch or offset.
+CURSOR_PATTERN = r"^([0-9]{1,18})\.([0-9]{1,18})\.([0-9a-f]{8})$"
+
+
 class BatchRequest(BaseModel):
     """Strict types: `batch_size: true` or `"8"` is a 422, not a silent coercion."""
 
@@ -47,7 +53,10 @@ class BatchRequest(BaseModel):
         ..., ge=1, description="Items to return (at most the server's max_batch_size)."
     )
     cursor: str | None = Field(
-        None, description="next_cursor of the previous batch; omit to start at epoch 0, offset 0."
+        None,
+        pattern=CURSOR_PATTERN,
+        description="next_cursor of the previous batch (`<epoch>.<offset>.<fingerprint>`); omit to start "
+        "at epoch 0, offset 0.",
     )
 
 

@@ -125,7 +125,7 @@ def test_items_carry_verl_fields(servers):
         ({"dataset": "gsm8k", "split": "dev", "batch_size": 2}, 404, "available: ['test', 'train']"),
         ({"dataset": "gsm8k", "batch_size": 2, "cursor": "garbage"}, 422, "cursor"),
         ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.99.abc"}, 422, "cursor"),
-        ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.999999.00000000"}, 422, "cursor"),
+        ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.999999.00000000"}, 409, "cursor"),
         ({"dataset": "gsm8k", "batch_size": "many"}, 422, "batch_size"),
         ({"dataset": "gsm8k", "batch_size": True}, 422, "batch_size: Input should be a valid integer"),
         ({"dataset": "gsm8k", "batch_size": "3"}, 422, "batch_size: Input should be a valid integer"),
@@ -133,12 +133,12 @@ def test_items_carry_verl_fields(servers):
         (
             {"dataset": "gsm8k", "batch_size": 2, "cursor": "\u00b2.0.ce61368b"},
             422,
-            "cursor '\u00b2.0.ce61368b'",
+            "cursor: String should match pattern",
         ),
         (
             {"dataset": "gsm8k", "batch_size": 2, "cursor": "9" * 4301 + ".0.ce61368b"},
             422,
-            "(4312 characters)",
+            "cursor: String should match pattern",
         ),
         ({"dataset": "gsm8k"}, 422, "batch_size: Field required"),
     ],
@@ -161,7 +161,7 @@ def test_cursor_from_another_split_is_refused(servers):
     url, _ = servers
     cursor = post_batch(url, dataset="gsm8k", split="train", batch_size=2).json()["next_cursor"]
     response = post_batch(url, dataset="gsm8k", split="test", batch_size=2, cursor=cursor)
-    assert response.status_code == 422 and "another dataset" in response.json()["error"]
+    assert response.status_code == 409 and "another dataset" in response.json()["error"]
 
 
 def test_datasets_seed_routes_and_metrics(servers):
