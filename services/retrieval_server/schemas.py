@@ -11,20 +11,28 @@ verl's SearchTool splits into a title line and a body.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from services.common.wire import JsonInt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, WithJsonSchema
 
 
+# A query needs one character that is not ASCII white space. Spelled out, not `\S`: Python's and the
+# JSON Schema (ECMA) regex engines disagree on which other characters are white space.
+NOT_BLANK = r"[^ \t\n\r\f\v]"
+_NOT_BLANK = re.compile(NOT_BLANK)
+
+
 def _not_blank(query: str) -> str:
-    if not query.strip():
+    if _NOT_BLANK.search(query) is None:
         raise ValueError("query is an empty string")
     return query
 
 
-# The schema says what the validator checks: some non-space character.
-Query = Annotated[StrictStr, AfterValidator(_not_blank), WithJsonSchema({"type": "string", "pattern": r"\S"})]
+Query = Annotated[
+    StrictStr, AfterValidator(_not_blank), WithJsonSchema({"type": "string", "pattern": NOT_BLANK})
+]
 
 
 class RetrieveRequest(BaseModel):
