@@ -207,6 +207,7 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        timeout_keep_alive=settings.keep_alive_s,
         lifespan="on",
     )
     server = DrainingServer(config)
