@@ -111,14 +111,17 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         too_large = {"error": f"request body larger than the limit of {self.max_bytes} bytes"}
+        # Closing the connection after a refusal stops the upload there; on a kept-alive connection the
+        # server would have to receive (and throw away) the rest of an oversized body.
+        close = ((b"connection", b"close"),)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
-                    return await send_json(send, 400, {"error": "invalid Content-Length header"})
+                    return await send_json(send, 400, {"error": "invalid Content-Length header"}, close)
                 if declared > self.max_bytes:
-                    return await send_json(send, 413, too_large)
+                    return await send_json(send, 413, too_large, close)
         # Read the body ourselves so a chunked upload cannot slip past the limit, then replay it.
         chunks, size, more = [], 0, True
         while more:
@@ -128,7 +131,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await send_json(send, 413, too_large)
+                return await send_json(send, 413, too_large, close)
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
