@@ -126,7 +126,7 @@ async def open_scorer(
     if mode == "local":
         if custom_path:
             return CustomFunctionScorer(custom_path, custom_name)
-        from services.reward_server.core import LocalScorer
+        from services.scoring import LocalScorer
 
         return LocalScorer()
     from services.reward_server.client import RewardClient
