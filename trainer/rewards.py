@@ -1,7 +1,7 @@
 """Rewards for rollouts: the reward-server over HTTP, or the same scoring code in this process.
 
 `reward_model.mode=server` (default) sends batches to the reward-server (retries, replicas);
-`mode=local` runs services.reward_server's LocalScorer here, or a verl-style
+`mode=local` runs services.scoring's LocalScorer (the library the reward-server serves) here, or a verl-style
 `custom_reward_function.path/name` when one is named. Either way the loop sees one call:
 `await scorer.score(items, options) -> list[RewardResult]`.
 """
