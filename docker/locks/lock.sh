@@ -49,6 +49,8 @@ lock() {
     --constraint "$constraints/$name.txt" "${source[@]}" \
     --custom-compile-command "bash docker/locks/lock.sh" \
     --output-file "docker/locks/$name.txt"
+  # the constraint file lives in a temporary folder: name it by its role, so a rerun changes no line
+  sed -i "s#-c $constraints/#-c torch-constraint/#" "docker/locks/$name.txt"
   echo "docker/locks/$name.txt: $(grep -c '==' "docker/locks/$name.txt") packages"
 }
 
