@@ -407,3 +407,6 @@ class GroupRolloutEngine:
 
     def resume_memory(self) -> None:
         """The ranks restore it before every sync."""
+
+    def close(self) -> None:
+        """The engines live and die with the policy ranks (the groups' shutdown)."""
