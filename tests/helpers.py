@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,23 +46,41 @@ def wait_healthy(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | Non
 def service_process(
     module: str, *args: str, port: int | None = None, env: dict | None = None, timeout_s: float = 120.0
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start `python -m <module> <args> --host 127.0.0.1 --port P`, yield (base_url, process) once healthy."""
+    """Start `python -m <module> <args> --host 127.0.0.1 --port P`, yield (base_url, process) once healthy.
+
+    A thread reads the process's output as it comes (`output_of(proc)` returns it): a pipe nobody reads
+    fills after 64 KiB, and a server that logs more than that would then block on its next write."""
     port = port or free_port()
     cmd = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    proc.lines = []
+    proc.reader = threading.Thread(target=_collect, args=(proc,), daemon=True)
+    proc.reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
         try:
             wait_healthy(url, timeout_s, proc)
         except Exception:
             stop_process(proc)
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout.read()[-4000:]}") from None
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{output_of(proc)[-4000:]}") from None
         yield url, proc
     finally:
         stop_process(proc)
+
+
+def _collect(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        proc.lines.append(line)
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    """What a service_process printed so far (all of it once the process has exited)."""
+    if proc.poll() is not None:
+        proc.reader.join(10)
+    return "".join(proc.lines)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:

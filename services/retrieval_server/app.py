@@ -139,8 +139,6 @@ def load_state(app: FastAPI, settings: RetrievalServerSettings) -> None:
     if settings.index is None:
         raise ValueError("no index folder given (--index DIR or RETRIEVAL_SERVER_INDEX)")
     logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs every SIMD variant it tries
-    # bm25s logs one INFO line per empty query (a query of stopwords): thousands per request.
-    logging.getLogger("bm25s").setLevel(logging.WARNING)
     threads = settings.threads or default_threads()
     retriever = load_retriever(
         settings.index,
@@ -152,6 +150,9 @@ def load_state(app: FastAPI, settings: RetrievalServerSettings) -> None:
         nprobe=settings.nprobe,
         threads=threads,
     )
+    # bm25s logs one INFO line per empty query (a query of stopwords): thousands per request. Its import
+    # (inside load_retriever) sets its logger to DEBUG, so this must come after.
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
     dense = retriever.manifest.embedder is not None
     warm_up = SearchJob(["warm-up query"], 1, True)
     retriever.answer([Slice(warm_up.queries, warm_up.options)])  # first-call costs before /health is ok

@@ -206,6 +206,18 @@ class FairQueue:
                 del self._taken[group]
             return task
 
+    def remove(self, task: Task) -> bool:
+        """Take `task` out of the line; False if a driver already took it."""
+        with self._ready:
+            tasks = self._groups.get(task.group)
+            if tasks is None or task not in tasks:
+                return False
+            tasks.remove(task)
+            if not tasks:
+                del self._groups[task.group]
+                del self._taken[task.group]
+            return True
+
     def drain(self) -> list[Task]:
         with self._ready:
             tasks = [task for tasks in self._groups.values() for task in tasks]
@@ -280,6 +292,10 @@ class KillablePool:
             return await asyncio.wrap_future(task.future)
         except asyncio.CancelledError:
             task.abandon()
+            # Still queued: drop it now, so the queue gauge and the counter say so at once (a driver
+            # would otherwise count it only when its turn came, after the items ahead of it).
+            if self._queue.remove(task):
+                self._count("abandoned")
             raise
 
     def _drive(self, index: int, worker: _Worker) -> None:

@@ -328,12 +328,12 @@ def test_real_gsm8k_from_shared_data():
 def test_sigterm_drains_and_exits_cleanly():
     import time
 
-    from tests.helpers import small_data_server, stop_process
+    from tests.helpers import output_of, small_data_server, stop_process
 
     with small_data_server() as (url, proc):
         assert httpx.post(url + "/v1/batches", json={"batch_size": 2}).status_code == 200
         started = time.monotonic()
         assert stop_process(proc) == 0  # SIGTERM: uvicorn drains, runs the lifespan shutdown, exits 0
         assert time.monotonic() - started < 10
-        output = proc.stdout.read()
+        output = output_of(proc)
     assert "Finished server process" in output or "shutdown" in output.lower()

@@ -96,6 +96,23 @@ def test_async_run_does_not_block_the_event_loop(pool):
     assert ticks >= 20  # the loop kept ticking for the whole 0.5 s wait
 
 
+def test_cancelled_queued_runs_leave_the_queue_at_once(pool):
+    async def main():
+        hung = [asyncio.ensure_future(pool.run("hang", i)) for i in range(2)]  # both workers busy
+        waiting = [asyncio.ensure_future(pool.run("echo", i)) for i in range(5)]
+        await asyncio.sleep(0.1)
+        assert pool.queued == 5
+        for future in waiting:
+            future.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        # counted and gone now, not when a worker frees up half a second later
+        assert pool.queued == 0 and pool.abandoned == 5
+        return await asyncio.gather(*hung)
+
+    assert all(outcome.error == "timed out after 0.5s" for outcome in asyncio.run(main()))
+    assert pool.abandoned == 5
+
+
 def test_close_fails_queued_tasks_and_stops_the_workers():
     pool = KillablePool(task, workers=1, timeout_s=0.5)
     pool.start()
