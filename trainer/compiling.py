@@ -124,22 +124,24 @@ def probe_decoder_layer(
     dtype: torch.dtype | None,
     autocast_dtype: torch.dtype | None = None,
     backend: str | Callable = "inductor",
+    train: bool = True,
 ) -> str | None:
-    """Run a compiled copy of `layer` forward and backward on (args, kwargs) moved to `device` (floats
-    in `dtype`, under `autocast_dtype`); None when that works, else the error. The real layers reuse
-    what this compiled (one compiled function for every layer)."""
+    """Run a compiled copy of `layer` forward (and backward if `train`) on (args, kwargs) moved to
+    `device` (floats in `dtype`, under `autocast_dtype`); None when that works, else the error. The real
+    layers reuse what this compiled (one compiled function for every layer)."""
     probe = copy.deepcopy(layer).to(device=device, dtype=dtype)
     args, kwargs = _moved(args, device, dtype), _moved(kwargs, device, dtype)
     if args:
-        args = (args[0].detach().requires_grad_(True), *args[1:])
+        args = (args[0].detach().requires_grad_(train), *args[1:])
     else:
-        kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
+        kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(train)
     compile_decoder_layers([probe], backend=backend)
     try:
-        with autocast(device, autocast_dtype):
+        with autocast(device, autocast_dtype), torch.set_grad_enabled(train):
             out = probe(*args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        out.float().square().mean().backward()
+        if train:
+            out.float().square().mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except torch.OutOfMemoryError:
@@ -169,16 +171,25 @@ def compile_model(
     dtype: torch.dtype | None,
     autocast_dtype: torch.dtype | None = None,
     backend: str | Callable = "inductor",
+    train: bool = True,
 ) -> bool:
-    """Compile every decoder layer of `model` if a probe copy of one compiles and trains on `device`;
-    returns whether it did (otherwise the run says why once and stays eager). dtype: the layers'
-    compute dtype there (FSDP's param_dtype), autocast_dtype: the forward's autocast."""
+    """Compile every decoder layer of `model` if a probe copy of one compiles and runs on `device` (and
+    trains, if `train`); returns whether it did (otherwise the run says why once and stays eager).
+    dtype: the layers' compute dtype there (FSDP's param_dtype), autocast_dtype: the forward's autocast.
+    """
     from trainer.fsdp import decoder_layers
 
     layers = decoder_layers(model)
     args, kwargs = capture_layer_inputs(model, layers[0], probe_inputs(model))
     problem = probe_decoder_layer(
-        layers[0], args, kwargs, device=device, dtype=dtype, autocast_dtype=autocast_dtype, backend=backend
+        layers[0],
+        args,
+        kwargs,
+        device=device,
+        dtype=dtype,
+        autocast_dtype=autocast_dtype,
+        backend=backend,
+        train=train,
     )
     if problem is not None:
         log.warning("decoder layers stay eager: torch.compile failed on a probe layer (%s)", problem)

@@ -291,7 +291,7 @@ def build_reference(cfg: Config, device: torch.device, precision: Precision) -> 
         use_packed_attention(model)
     compiled = arr.ref.use_torch_compile and device.type == "cuda"
     if compiled:
-        compile_model(model, device=device, dtype=None, autocast_dtype=precision.autocast_dtype)
+        compile_model(model, device=device, dtype=None, autocast_dtype=precision.autocast_dtype, train=False)
     return Reference(
         model,
         micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,

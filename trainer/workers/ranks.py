@@ -73,7 +73,8 @@ def _loaded(loader: Callable, settings: ModelSettings, device: torch.device, **e
     if settings.remove_padding:
         use_packed_attention(model)
     if settings.compile and device.type == "cuda":
-        compile_model(model, device=device, dtype=settings.fsdp.param_dtype)
+        trains = any(p.requires_grad for p in model.parameters())
+        compile_model(model, device=device, dtype=settings.fsdp.param_dtype, train=trains)
     return model
 
 
