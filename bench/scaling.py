@@ -1,42 +1,53 @@
-"""Weak scaling of the distributed trainer: the same GRPO step per GPU on 1, 2, 4, ... GPUs of one host.
+"""Weak scaling of the distributed trainer: the same GRPO step per GPU on 1, 2, 4, ... GPUs of one host,
+for one or more model shapes, and A/B runs of the speed options, printed as one table.
 
-    python bench/scaling.py --gpus 1,2 [--steps 4] [--prompts-per-gpu 64] [--n 8] [--response-length 256]
-    python bench/scaling.py --gpus 1,2,4 --model-size 1.5b          # Qwen2.5-1.5B's shape
-    python bench/scaling.py --gpus 2 --small --device cpu            # CPU smoke run (gloo, tiny model)
+    python bench/scaling.py --gpus 1,2,4 --model-size 0.5b,1.5b          # the issue-16 matrix
+    python bench/scaling.py --gpus 1 --compile on,off --fused-head on,off  # A/B of the actor's speed-ups
+    python bench/scaling.py --gpus 1,2 --small --device cpu                 # CPU smoke run (gloo, tiny model)
 
-For each GPU count W it runs `python -m trainer.main_ppo` on a randomly initialised model of
-Qwen2.5-0.5B's shape (Qwen tokenizer), GSM8K train prompts, W x 64 prompts x n=8 responses of 256
-tokens per step (a random model never stops early), GRPO with a KL loss against a reference model,
-one optimizer step per batch, rewards in-process: Ray ranks with FSDP2 (bf16 compute, fp32 master
-weights), packed micro-batches, the built-in engine colocated on every GPU. Then it prints, averaged
-over the steps after the first (warm-up):
+Each case is one `python -m trainer.main_ppo` run on a randomly initialised model of Qwen2.5-0.5B's (or
+1.5B's) shape, Qwen tokenizer, GSM8K train prompts, W x 64 prompts x n=8 responses of 256 tokens per step
+(a random model rarely stops early), GRPO with a KL loss against a reference model, one optimizer step
+per batch, rewards in-process: Ray ranks with FSDP2 (bf16 compute, fp32 master weights), packed
+micro-batches, and on every GPU the rollout engine next to the policy (rollout.name=builtin by default).
+It reports the last step's (the first is warm-up: compilation, CUDA graphs, Triton kernels):
 
-    timing_s/* (gen, ref, update_actor, update_weights, step), perf/throughput (tokens/s/GPU),
-    perf/mfu/actor, perf/max_memory_allocated_gb, and the weak-scaling efficiency
-    throughput(W) / throughput(1) (tokens/s per GPU; 1.0 is perfect).
+    timing_s/* (gen, old_log_prob, ref, update_actor, update_weights, step), perf/throughput (tokens/s
+    per GPU), perf/mfu/actor, perf/max_memory_allocated_gb (largest rank), and the weak-scaling
+    efficiency: throughput per GPU against the same shape and variant on 1 GPU (1.0 is perfect).
 
-Extra `key=value` arguments go to every run (e.g. actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16).
-On the offline GPU machines: `bash bench/gpu_prepare.sh` here first (wheels incl. a slimmed Ray, and
-GSM8K, in .gpu/), then one device call; its header has the command line.
+Variants: --compile, --fused-head, --micro-batch and --engine take comma lists; their first values make
+the main variant, which runs at every GPU count; every other combination runs at --ab-gpus only (default:
+the smallest count). Extra `key=value` arguments go to every run.
+
+Made to fit one device call: --steps 2 (one warm-up step, one measured), the models are written once,
+one Ray cluster serves every case (started here; each run joins it through RAY_ADDRESS), --parallel
+runs cases side by side when their GPUs fit (a 1-GPU and a 2-GPU case on 4 GPUs), and --budget-s stops
+starting cases that cannot finish in time (a running one is stopped at the budget). Each case's output
+goes to <results>/<case>.log; only the table (reprinted after every case) and failures reach stdout.
+On the offline GPU machines: `bash bench/gpu_prepare.sh` here first; its header has the command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
+import os
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 REPORTED = (
     "timing_s/gen",
-    "timing_s/ref",
     "timing_s/old_log_prob",
+    "timing_s/ref",
     "timing_s/update_actor",
     "timing_s/update_weights",
     "timing_s/step",
@@ -45,6 +56,45 @@ REPORTED = (
     "perf/max_memory_allocated_gb",
     "response_length/mean",
 )
+OPTIONS = {  # --option value -> config overrides
+    "compile": lambda on: [
+        f"actor_rollout_ref.actor.use_torch_compile={on}",
+        f"actor_rollout_ref.ref.use_torch_compile={on}",
+    ],
+    "fused_head": lambda on: [f"actor_rollout_ref.model.use_fused_kernels={on}"],
+    "micro_batch": lambda size: [
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={size}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={2 * int(size)}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={2 * int(size)}",
+    ],
+    "engine": lambda name: [f"actor_rollout_ref.rollout.name={name}"],
+}
+SWITCHES = {"on": "true", "off": "false"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # "" for the main variant
+    overrides: tuple[str, ...]
+
+
+@dataclass
+class Case:
+    size: str
+    world: int
+    variant: Variant
+    status: str = "waiting"  # waiting, running, done, failed, timed out, skipped
+    result: dict[str, float] = field(default_factory=dict)
+    started: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.size} x{self.world}" + (f" {self.variant.name}" if self.variant.name else "")
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(" ", "_").replace("=", "-").replace(",", "+")
 
 
 def qwen25_15b_config():
@@ -65,27 +115,65 @@ def qwen25_15b_config():
     )
 
 
-def prepare(out: Path, gsm8k: Path, model_size: str, small: bool) -> tuple[Path, Path]:
+def prepare(work: Path, gsm8k: Path, sizes: list[str]) -> tuple[dict[str, Path], Path]:
+    """Random models of each shape (bf16 safetensors: half the bytes to write and read) and the data."""
+    import torch
+
     from services.data_server.export import write_verl_parquet
     from services.data_server.sources import gsm8k_row, read_records
     from testing.tiny import make_tiny_model, qwen25_05b_config
 
-    model = out / f"model-{'small' if small else model_size}"
-    if not (model / "config.json").exists():
-        config = None if small else {"0.5b": qwen25_05b_config, "1.5b": qwen25_15b_config}[model_size]()
-        make_tiny_model(model, config=config, tokenizer="qwen", hidden=64, layers=2)
-    data = out / "data"
+    shapes = {"0.5b": qwen25_05b_config, "1.5b": qwen25_15b_config, "tiny": lambda: None}
+    models = {}
+    for size in sizes:
+        model = work / f"model-{size}"
+        if not (model / "config.json").exists():
+            config = shapes[size]()  # tiny: hidden 64, 2 layers
+            make_tiny_model(model, config=config, tokenizer="qwen", hidden=64, layers=2, dtype=torch.bfloat16)
+        models[size] = model
+    data = work / "data"
     if not (data / "train.parquet").exists():
         rows = read_records(gsm8k / "train.jsonl")
         write_verl_parquet(
             [gsm8k_row(r["question"], r["answer"], "train", i) for i, r in enumerate(rows)],
             data / "train.parquet",
         )
-    return model, data
+    return models, data
 
 
-def run_command(args, world: int, model: Path, data: Path, run_dir: Path, extra: list[str]) -> list[str]:
-    prompts = args.prompts_per_gpu * world
+def variants(args) -> list[Variant]:
+    """The cross product of the option lists; the first combination is the main variant."""
+    chosen = {name: getattr(args, name).split(",") for name in OPTIONS if getattr(args, name)}
+    combos = list(itertools.product(*chosen.values()))
+    out = []
+    for index, combo in enumerate(combos):
+        overrides = []
+        for name, value in zip(chosen, combo):
+            overrides += OPTIONS[name](SWITCHES.get(value, value))
+        label = ",".join(f"{name.replace('_', '-')}={value}" for name, value in zip(chosen, combo))
+        out.append(Variant("" if index == 0 else label, tuple(overrides)))
+    if len(out) > 1:  # name the main variant too, so the table says what the others are compared with
+        main = ",".join(f"{name.replace('_', '-')}={values[0]}" for name, values in chosen.items())
+        out[0] = Variant(main, out[0].overrides)
+    return out
+
+
+def plan(args) -> list[Case]:
+    """In running order: per shape, the GPU counts ascending, each followed by its A/B variants (so that,
+    with --parallel, a 4-GPU host runs the 1-GPU, 2-GPU and a 1-GPU variant case side by side)."""
+    sizes, worlds = args.model_size.split(","), sorted(int(w) for w in args.gpus.split(","))
+    every = variants(args) or [Variant("", ())]
+    ab_worlds = [int(w) for w in args.ab_gpus.split(",")] if args.ab_gpus else [worlds[0]]
+    cases = []
+    for size in sizes:
+        for world in sorted(set(worlds) | set(ab_worlds)):
+            cases += [Case(size, world, every[0])] if world in worlds else []
+            cases += [Case(size, world, v) for v in every[1:]] if world in ab_worlds else []
+    return cases
+
+
+def run_command(args, case: Case, model: Path, data: Path, run_dir: Path, extra: list[str]) -> list[str]:
+    prompts = args.prompts_per_gpu * case.world
     return [
         sys.executable,
         "-m",
@@ -100,35 +188,200 @@ def run_command(args, world: int, model: Path, data: Path, run_dir: Path, extra:
         "actor_rollout_ref.model.use_remove_padding=true",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",  # one optimizer step: on-policy
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch * 2}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch * 2}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch_default}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch_default * 2}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch_default * 2}",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         f"actor_rollout_ref.rollout.n={args.n}",
+        "actor_rollout_ref.rollout.name=builtin",
         "reward_model.mode=local",
-        f"trainer.n_gpus_per_node={world}",
+        f"trainer.n_gpus_per_node={case.world}",
         f"trainer.device={args.device}",
         "trainer.use_ray=true",
         f"trainer.total_training_steps={args.steps}",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
-        "trainer.logger=[console]",
+        "trainer.logger=[jsonl]",
         f"trainer.log_dir={run_dir}",
         f"trainer.default_local_dir={run_dir / 'ckpt'}",
         "trainer.resume_mode=disable",
+        *case.variant.overrides,
         *extra,
     ]
 
 
 def summarise(run_dir: Path) -> dict[str, float]:
+    """The last logged step's reported metrics (the earlier ones are warm-up)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     steps = [m for m in map(json.loads, lines) if "timing_s/step" in m]
-    measured = steps[1:] or steps
-    return {
-        key: statistics.mean(m[key] for m in measured) for key in REPORTED if all(key in m for m in measured)
-    }
+    return {key: steps[-1][key] for key in REPORTED if key in steps[-1]} if steps else {}
+
+
+# ------------------------------------------------------------------------------ one Ray cluster for all
+
+
+def start_ray(args) -> str | None:
+    """A local Ray cluster that lives as long as this process; every run joins it (RAY_ADDRESS)."""
+    if args.fresh_ray:
+        return None
+    import ray
+
+    num_cpus = (
+        max(max(int(w) for w in args.gpus.split(",")), os.cpu_count() or 1) if args.device == "cpu" else None
+    )
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=512 * 2**20)
+    return ray.get_runtime_context().gcs_address
+
+
+def gpus_idle(timeout_s: float = 60.0) -> None:
+    """Wait until the GPUs hold no memory of a finished run's ranks (their processes end asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return  # no nvidia-smi (CPU runs)
+        if all(int(line) < 1024 for line in out.split()):
+            return
+        time.sleep(1.0)
+
+
+# ------------------------------------------------------------------------------ running the cases
+
+
+class Runner:
+    """Starts cases in order (the next one also while others run, when --parallel and its GPUs are free)
+    and stops them at the budget."""
+
+    def __init__(self, args, models, data, extra, ray_address: str | None, on_finish) -> None:
+        """on_finish(): called after every case ends (the table is reprinted)."""
+        self.args, self.models, self.data, self.extra = args, models, data, extra
+        self.on_finish = on_finish
+        self.deadline = time.monotonic() + args.budget_s if args.budget_s else None
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if ray_address:
+            self.env["RAY_ADDRESS"] = ray_address
+        self.total_gpus = max(int(w) for w in args.gpus.split(","))
+        self.running: dict[int, tuple[Case, subprocess.Popen, object]] = {}
+
+    def remaining(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def run(self, cases: list[Case]) -> None:
+        waiting = list(cases)
+        while waiting or self.running:
+            started = self._start_what_fits(waiting)
+            if not started:
+                self._wait_one()
+
+    def _start_what_fits(self, waiting: list[Case]) -> bool:
+        busy = sum(case.world for case, _, _ in self.running.values())
+        started = False
+        for case in list(waiting):
+            if self.remaining() < self.args.min_case_s:
+                case.status = "skipped"
+                waiting.remove(case)
+                print(
+                    f"[bench] {case.label}: skipped, {max(self.remaining(), 0):.0f} s of budget left",
+                    flush=True,
+                )
+                continue
+            fits = busy + case.world <= self.total_gpus if self.args.parallel else not self.running
+            if not fits:
+                break  # in order: a case that does not fit yet holds back the ones after it
+            if not self.running:
+                gpus_idle()
+            waiting.remove(case)
+            self._start(case)
+            busy += case.world
+            started = True
+            if not self.args.parallel:
+                break
+        return started
+
+    def _start(self, case: Case) -> None:
+        run_dir = self.args.out / case.slug
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        log = open(self.args.results / f"{case.slug}.log", "w")  # noqa: SIM115 - closed when it ends
+        command = run_command(self.args, case, self.models[case.size], self.data, run_dir, self.extra)
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        case.status, case.started = "running", time.monotonic()
+        self.running[process.pid] = (case, process, log)
+        print(f"[bench] {case.label}: started ({len(self.running)} running)", flush=True)
+
+    def _wait_one(self) -> None:
+        while True:
+            for pid, (case, process, _) in list(self.running.items()):
+                if process.poll() is not None:
+                    self._finish(pid)
+                    return
+                if self.remaining() <= 0:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    case.status = "timed out"
+                    self._finish(pid)
+                    return
+            time.sleep(0.5)
+
+    def _finish(self, pid: int) -> None:
+        case, process, log = self.running.pop(pid)
+        log.close()
+        case.wall_s = time.monotonic() - case.started
+        run_dir = self.args.out / case.slug
+        if process.returncode == 0 and (run_dir / "metrics.jsonl").exists():
+            case.result, case.status = summarise(run_dir), "done"
+        elif case.status != "timed out":
+            case.status = f"failed (exit {process.returncode})"
+        print(f"[bench] {case.label}: {case.status} after {case.wall_s:.0f} s", flush=True)
+        if case.status != "done":
+            tail = (self.args.results / f"{case.slug}.log").read_text(errors="replace").splitlines()[-25:]
+            print("\n".join(f"    | {line}" for line in tail), flush=True)
+        self.on_finish()
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+def efficiency(case: Case, cases: list[Case]) -> float | None:
+    """Throughput per GPU against the same shape and variant on the fewest GPUs measured."""
+    peers = [c for c in cases if c.size == case.size and c.variant == case.variant and c.result]
+    base = min(peers, key=lambda c: c.world, default=None)
+    if base is None or "perf/throughput" not in case.result or not base.result.get("perf/throughput"):
+        return None
+    return case.result["perf/throughput"] / base.result["perf/throughput"]
+
+
+def print_table(args, cases: list[Case]) -> None:
+    shown = [c for c in cases if c.status not in ("waiting", "running")]
+    if not shown:
+        return
+    width = max(14, *(len(c.label) + 2 for c in shown))
+    print(
+        f"\nGRPO step per GPU: {args.prompts_per_gpu} prompts x n={args.n}, responses <= "
+        f"{args.response_length} tokens; the last of {args.steps} steps (the first is warm-up)"
+    )
+    print(f"  {'metric':<30}" + "".join(f"{c.label:>{width}}" for c in shown))
+    for key in REPORTED:
+        if any(key in c.result for c in shown):
+            print(f"  {key:<30}" + "".join(_cell(c.result.get(key), width) for c in shown))
+    print(f"  {'weak-scaling efficiency':<30}" + "".join(_cell(efficiency(c, shown), width) for c in shown))
+    print(f"  {'run wall time (s)':<30}" + "".join(_cell(c.wall_s, width, ".0f") for c in shown))
+    print(f"  {'status':<30}" + "".join(f"{c.status[: width - 1]:>{width}}" for c in shown), flush=True)
+
+
+def _cell(value, width: int, spec: str = ".3f") -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
 def main() -> None:
@@ -136,46 +389,50 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gpus", default="1,2", help="comma-separated GPU counts, in one host")
+    parser.add_argument("--model-size", default="0.5b", help="comma-separated: 0.5b, 1.5b, tiny")
     parser.add_argument("--gsm8k", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_scaling")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_scaling", help="models, run dirs")
+    parser.add_argument("--results", type=Path, default=None, help="logs and results.json (default: --out)")
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts-per-gpu", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response-length", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=32, help="sequences per update forward, per GPU")
+    parser.add_argument("--micro-batch-default", type=int, default=32, help="sequences per update forward")
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--model-size", choices=("0.5b", "1.5b"), default="0.5b")
-    parser.add_argument("--small", action="store_true", help="a tiny model (CPU smoke run)")
+    parser.add_argument("--compile", default=None, help="A/B: on,off (default: the config's, on)")
+    parser.add_argument("--fused-head", default=None, help="A/B: on,off (model.use_fused_kernels)")
+    parser.add_argument("--micro-batch", default=None, help="A/B: e.g. 32,64 (sequences per GPU)")
+    parser.add_argument("--engine", default=None, help="A/B: builtin,hf (rollout.name)")
+    parser.add_argument(
+        "--ab-gpus", default=None, help="GPU counts of the non-main variants (default: fewest)"
+    )
+    parser.add_argument("--parallel", action="store_true", help="run cases side by side when their GPUs fit")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="stop starting (and stop) cases after this"
+    )
+    parser.add_argument("--min-case-s", type=float, default=60.0, help="do not start a case with less left")
+    parser.add_argument("--fresh-ray", action="store_true", help="each run starts its own Ray cluster")
+    parser.add_argument("--small", action="store_true", help="--model-size tiny (CPU smoke run)")
     parser.add_argument("--device", default="auto")
     args, extra = parser.parse_known_args()
-    model, data = prepare(args.out, args.gsm8k, args.model_size, args.small)
-    results: dict[int, dict[str, float]] = {}
-    for world in (int(w) for w in args.gpus.split(",")):
-        run_dir = args.out / f"run-{world}gpu"
-        done = subprocess.run(run_command(args, world, model, data, run_dir, extra), cwd=ROOT, check=False)
-        if done.returncode == 0:
-            results[world] = summarise(run_dir)
-        else:
-            print(f"the {world}-GPU run failed (exit {done.returncode}); see its output above", flush=True)
-    if results:
-        print_table(args, results)
-
-
-def print_table(args, results: dict[int, dict[str, float]]) -> None:
-    worlds = sorted(results)
+    args.results = args.results or args.out
+    args.model_size = "tiny" if args.small else args.model_size
+    args.results.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    cases = plan(args)
+    models, data = prepare(args.out, args.gsm8k, sorted({c.size for c in cases}))
     print(
-        f"\nweak scaling: {args.prompts_per_gpu} prompts x n={args.n} per GPU, responses <= "
-        f"{args.response_length} tokens; mean over steps 2..{args.steps}"
+        f"[bench] {len(cases)} case(s); models and data ready after {time.monotonic() - started:.0f} s",
+        flush=True,
     )
-    print(f"  {'metric':<32}" + "".join(f"{f'{w} GPU':>12}" for w in worlds))
-    for key in REPORTED:
-        if any(key in results[w] for w in worlds):
-            cells = "".join(f"{results[w].get(key, float('nan')):12.3f}" for w in worlds)
-            print(f"  {key:<32}{cells}")
-    base = results[worlds[0]].get("perf/throughput")
-    if base:
-        cells = "".join(f"{results[w]['perf/throughput'] / base:12.3f}" for w in worlds)
-        print(f"  {'weak-scaling efficiency':<32}{cells}   (throughput per GPU vs {worlds[0]} GPU)")
+
+    def report() -> None:
+        print_table(args, cases)
+        records = [{"case": c.label, "status": c.status, "wall_s": c.wall_s, **c.result} for c in cases]
+        (args.results / "results.json").write_text(json.dumps(records, indent=1))
+
+    Runner(args, models, data, extra, start_ray(args), report).run(cases)
+    print(f"[bench] all cases over after {time.monotonic() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

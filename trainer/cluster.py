@@ -3,8 +3,10 @@
 `build_groups` is the distributed twin of trainer/run.py's build_policy / build_reference /
 build_critic: the same config keys become the same settings, handed to every rank of a role group
 (trainer/workers/group.py) instead of to one in-process worker. The policy ranks also run the
-rollout engine (colocated, as verl's hybrid engine), so generation spreads over every GPU and the
-weights reach the engines without leaving the GPUs.
+rollout engine (colocated, as verl's hybrid engine: the built-in fast engine unless rollout.name=hf),
+so generation spreads over every GPU and the weights reach the engines without leaving the GPUs. With
+rollout.name=sglang the ranks run no engine: SGLang servers generate over HTTP (trainer/run.py builds
+their manager) and load each new policy from a checkpoint folder that rank 0 writes.
 
 When Ray is used (`use_ray`): `trainer.use_ray=true`, or by default whenever the run asks for more
 than one GPU. One process without Ray stays the default for a single device: CPU debugging, the
@@ -28,6 +30,7 @@ from trainer.fsdp import FSDPSettings
 from trainer.model import Precision
 from trainer.workers.common import UpdateSettings
 from trainer.workers.critic import ValueLossSettings
+from trainer.workers.logprobs import LogprobHead
 from trainer.workers.group import (
     CriticGroup,
     GroupRolloutEngine,
@@ -60,7 +63,7 @@ class Groups:
     policy: PolicyGroup
     reference: ReferenceGroup | None
     critic: CriticGroup | None
-    engine: GroupRolloutEngine
+    engine: GroupRolloutEngine | None  # None: generation runs on rollout servers (rollout.name=sglang)
     pools: list[ResourcePool]
 
     def shutdown(self) -> None:
@@ -111,7 +114,8 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
         len(set(policy.node_ids())),
         "on separate GPUs" if separate else "colocated",
     )
-    return Groups(policy, reference, critic, GroupRolloutEngine(policy, pad_id), pools)
+    engine = GroupRolloutEngine(policy, pad_id) if settings.engine is not None else None
+    return Groups(policy, reference, critic, engine, pools)
 
 
 # ------------------------------------------------------------------------------ config -> rank settings
@@ -123,7 +127,9 @@ def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> Polic
 
     arr = cfg.actor_rollout_ref
     return PolicyRankSettings(
-        model=model_settings(arr.model, arr.actor.fsdp_config, precision),
+        model=model_settings(
+            arr.model, arr.actor.fsdp_config, precision, compile=arr.actor.use_torch_compile
+        ),
         optim=optimizer_settings(arr.actor.optim, arr.actor.grad_clip, steps),
         update=UpdateSettings(
             mini_batch_size=whole_ranks(arr.actor.ppo_mini_batch_size * arr.rollout.n, cfg.world_size),
@@ -133,16 +139,31 @@ def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> Polic
         loss=policy_loss_settings(arr.actor),
         temperature=arr.rollout.temperature or 1.0,
         log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
-        engine=EngineSettings(),
+        head=logprob_head(arr.model, arr.actor.use_torch_compile),
+        engine=engine_settings(arr.rollout),
+    )
+
+
+def engine_settings(rollout) -> EngineSettings | None:
+    """The policy ranks' colocated engine; None when rollout servers generate instead."""
+    if rollout.engine == "sglang":
+        return None
+    return EngineSettings(
+        name=rollout.engine,
+        context_length=rollout.prompt_length + rollout.response_length,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
     )
 
 
 def reference_rank_settings(cfg: Config, precision: Precision) -> ReferenceRankSettings:
     arr = cfg.actor_rollout_ref
     return ReferenceRankSettings(
-        model=model_settings(arr.model, arr.ref.fsdp_config, precision, trainable=False),
+        model=model_settings(
+            arr.model, arr.ref.fsdp_config, precision, trainable=False, compile=arr.ref.use_torch_compile
+        ),
         temperature=arr.rollout.temperature or 1.0,
         micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+        head=logprob_head(arr.model, arr.ref.use_torch_compile),
     )
 
 
@@ -174,13 +195,16 @@ def whole_ranks(sequences: int, world_size: int) -> int:
     return sequences // world_size * world_size
 
 
-def model_settings(model, fsdp, precision: Precision, *, trainable: bool = True) -> ModelSettings:
-    """actor_rollout_ref.model / critic.model and their fsdp_config, for every rank."""
+def model_settings(
+    model, fsdp, precision: Precision, *, trainable: bool = True, compile: bool = False
+) -> ModelSettings:
+    """actor_rollout_ref.model / critic.model and their fsdp_config, for every rank (compile: on CUDA)."""
     return ModelSettings(
         path=model.path,
         trust_remote_code=bool(model.trust_remote_code),
         gradient_checkpointing=trainable and bool(model.enable_gradient_checkpointing),
         remove_padding=bool(model.use_remove_padding),
+        compile=compile,
         fsdp=FSDPSettings(
             # bf16 compute on gathered parameters where the single process would autocast to bf16
             param_dtype=precision.autocast_dtype,
@@ -190,3 +214,8 @@ def model_settings(model, fsdp, precision: Precision, *, trainable: bool = True)
             optimizer_offload=trainable and bool(fsdp.optimizer_offload),
         ),
     )
+
+
+def logprob_head(model, use_torch_compile: bool) -> LogprobHead:
+    """model.use_fused_kernels; its chunk math compiled with the layers (on CUDA only)."""
+    return LogprobHead(fused=bool(model.use_fused_kernels), compiled=bool(use_torch_compile))

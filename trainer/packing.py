@@ -178,7 +178,8 @@ def register_packed_attention() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    # torch.compile'd decoder layers (trainer/compiling.py) call it eagerly: one graph break per layer
+    AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_attention))
     AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
     return PACKED_ATTENTION
 

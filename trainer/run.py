@@ -9,6 +9,7 @@ sequences (prompts x rollout.n).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from services.reward_server.schemas import RewardOptions
 from trainer import algos
 from trainer.algos import KLKind
 from trainer.config import Config
+from trainer.compiling import compile_model
 from trainer.data import PromptSource, open_prompt_source, total_steps
 from trainer.model import (
     Precision,
@@ -40,7 +42,9 @@ from trainer.tracking import Tracker
 from trainer.workers.actor import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
-from trainer.workers.group import PolicyProfile
+from trainer.workers.engines import builtin_engine
+from trainer.workers.group import GroupWeights, PolicyProfile
+from trainer.workers.logprobs import LogprobHead
 from trainer.workers.reference import Reference
 
 if TYPE_CHECKING:
@@ -175,34 +179,31 @@ async def close_run(run: Run) -> None:
 
 def build_workers(cfg: Config, device: torch.device, precision: Precision, steps: int, tokenizer) -> dict:
     """The policy, reference, critic and rollout engine: Ray role groups (trainer/cluster.py) or, on one
-    device by default, plain workers in this process with the engine sharing the policy's module."""
+    device by default, plain workers in this process with the engine next to the policy."""
     from trainer import cluster
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if cluster.use_ray(cfg):
         groups = cluster.build_groups(cfg, device, precision, steps, pad_id)
+        engine = groups.engine
+        if engine is None:  # rollout servers: each sync sends them a checkpoint rank 0 writes
+            engine = build_engine(cfg, None, tokenizer, precision)
+            weights = GroupWeights(groups.policy)
+            sync = functools.partial(engine.load_weights, weights)
+        else:
+            sync = engine.load_weights
         return {
             "policy": groups.policy,
             "reference": groups.reference,
             "critic": groups.critic,
-            "engine": groups.engine,
-            "sync_weights": groups.engine.load_weights,
+            "engine": engine,
+            "sync_weights": sync,
             "profile": groups.policy.profile(),
             "world_size": groups.policy.world_size,
             "groups": groups,
         }
     policy = build_policy(cfg, device, precision, steps)
-    arr = cfg.actor_rollout_ref
-    engine = build_rollout(
-        arr.rollout.engine,
-        policy_model=policy.model,
-        tokenizer=tokenizer,
-        model_path=arr.model.path,
-        context_length=arr.rollout.prompt_length + arr.rollout.response_length,
-        autocast_dtype=precision.autocast_dtype,
-        server_urls=server_urls_from_env(),
-        gpus=visible_gpus(),
-    )
+    engine = build_engine(cfg, policy.model, tokenizer, precision)
     return {
         "policy": policy,
         "reference": build_reference(cfg, device, precision) if cfg.use_reference else None,
@@ -212,6 +213,38 @@ def build_workers(cfg: Config, device: torch.device, precision: Precision, steps
         "sync_weights": lambda: engine.load_weights(policy.model),
         "profile": PolicyProfile.of(policy.model, policy.update_settings.ppo_epochs, in_process=True),
     }
+
+
+def build_engine(cfg: Config, policy_model, tokenizer, precision: Precision) -> RolloutEngine:
+    """The one-process engine (rollout.engine), or the rollout servers' manager of a Ray run.
+
+    The built-in engine shares the policy's GPU: its KV cache exists only while it generates
+    (trainer/workers/engines.py), sized from rollout.gpu_memory_utilization.
+    """
+    rollout = cfg.actor_rollout_ref.rollout
+    context_length = rollout.prompt_length + rollout.response_length
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if rollout.engine == "builtin":
+        device = next(policy_model.parameters()).device
+        return builtin_engine(
+            policy_model,
+            tokenizer,
+            device=device,
+            context_length=context_length,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            pad_id=pad_id,
+        )
+    return build_rollout(
+        rollout.engine,
+        policy_model=policy_model,
+        tokenizer=tokenizer,
+        model_path=cfg.actor_rollout_ref.model.path,
+        context_length=context_length,
+        autocast_dtype=precision.autocast_dtype,
+        server_urls=server_urls_from_env(),
+        gpus=visible_gpus(),
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+    )
 
 
 def build_policy(cfg: Config, device: torch.device, precision: Precision, steps: int) -> Policy:
@@ -226,6 +259,10 @@ def build_policy(cfg: Config, device: torch.device, precision: Precision, steps:
     )
     if arr.model.use_remove_padding:
         use_packed_attention(model)
+    # hf generates with the policy's own layers (a KV cache each step): those stay eager
+    compiled = actor.use_torch_compile and device.type == "cuda" and arr.rollout.engine != "hf"
+    if compiled:
+        compile_model(model, device=device, dtype=None, autocast_dtype=precision.autocast_dtype)
     return Policy(
         model,
         optimizer_settings(actor.optim, actor.grad_clip, steps),
@@ -238,6 +275,7 @@ def build_policy(cfg: Config, device: torch.device, precision: Precision, steps:
         temperature=arr.rollout.temperature or 1.0,
         log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
         autocast_dtype=precision.autocast_dtype,
+        head=LogprobHead(fused=arr.model.use_fused_kernels, compiled=compiled),
     )
 
 
@@ -251,11 +289,15 @@ def build_reference(cfg: Config, device: torch.device, precision: Precision) -> 
     )
     if arr.model.use_remove_padding:
         use_packed_attention(model)
+    compiled = arr.ref.use_torch_compile and device.type == "cuda"
+    if compiled:
+        compile_model(model, device=device, dtype=None, autocast_dtype=precision.autocast_dtype, train=False)
     return Reference(
         model,
         micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
         temperature=arr.rollout.temperature or 1.0,
         autocast_dtype=precision.autocast_dtype,
+        head=LogprobHead(fused=arr.model.use_fused_kernels, compiled=compiled),
     )
 
 

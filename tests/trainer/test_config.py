@@ -261,8 +261,9 @@ def test_grpo_qwen3_small(home):
     assert config.trainer.logger == ["console", "wandb"]
     assert config.trainer.default_local_dir == "checkpoints/verl_grpo_example_gsm8k/qwen3_8b_function_rm"
     assert config.world_size == 1
-    # verl keys that change nothing here: accepted, not typed, named once at start
-    assert config.no_effect_keys == ["actor_rollout_ref.rollout.gpu_memory_utilization"]
+    # every verl key of the command acts here (gpu_memory_utilization sizes the built-in engine's KV cache)
+    assert config.no_effect_keys == []
+    assert arr.rollout.gpu_memory_utilization == 0.6
     assert arr.model.use_remove_padding and arr.ref.fsdp_config.param_offload
     assert not arr.actor.fsdp_config.param_offload and config.critic.model.use_remove_padding  # the policy's
     # the offload is typed but acts only on sharded (Ray) runs: this one-GPU run says so at start
@@ -271,7 +272,6 @@ def test_grpo_qwen3_small(home):
         "transformers generate) generates instead",
         "fsdp: actor_rollout_ref.ref.fsdp_config.param_offload act in Ray runs only (more than one GPU, or "
         "trainer.use_ray=true); this run is one process",
-        "accepted, no effect here: actor_rollout_ref.rollout.gpu_memory_utilization",
     ]
     assert "param_offload: true" in config.resolved_yaml()
 
@@ -293,9 +293,7 @@ def test_main_ppo_dry_run_prints_resolved_config(home):
     assert "default_local_dir: checkpoints/verl_grpo_example_gsm8k/qwen3_8b_function_rm" in done.stdout
     assert "ppo_micro_batch_size_per_gpu: 8" in done.stdout
     lines = done.stdout.splitlines()
-    assert [line for line in lines if line.startswith("accepted, no effect here: ")] == [
-        "accepted, no effect here: actor_rollout_ref.rollout.gpu_memory_utilization"
-    ]
+    assert [line for line in lines if line.startswith("accepted, no effect here: ")] == []
     assert (
         sum(line.startswith("fsdp: actor_rollout_ref.ref.fsdp_config.param_offload act in") for line in lines)
         == 1

@@ -79,14 +79,15 @@ def loss_settings(mode: str) -> PolicyLossSettings:
     )
 
 
-def policy_settings(model_dir, mode="token-mean", engine=False, remove_padding=True) -> PolicyRankSettings:
+def policy_settings(model_dir, mode="token-mean", engine=None, remove_padding=True) -> PolicyRankSettings:
+    """engine: the colocated engine's name (builtin, hf), None for none."""
     return PolicyRankSettings(
         model=ModelSettings(path=str(model_dir), remove_padding=remove_padding, fsdp=FSDPSettings()),
         optim=optim(),
         update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH),
         loss=loss_settings(mode),
         log_prob_micro_batch_size=2,
-        engine=EngineSettings() if engine else None,
+        engine=EngineSettings(name=engine, context_length=64) if engine else None,
     )
 
 
@@ -226,8 +227,11 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
         close(group, pool)
 
 
-def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_dir):
-    group, pool = policy_group(model_dir, nnodes=2, engine=True)
+@pytest.mark.parametrize("name", ["builtin", "hf"])
+def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_dir, name):
+    """Each rank's engine (the built-in one: its own forward and KV cache, synced bucket by bucket) samples
+    the tokens whose logprobs the FSDP policy gives, before and after a weight sync."""
+    group, pool = policy_group(model_dir, nnodes=2, engine=name)
     engine = GroupRolloutEngine(group, pad_id=0)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]  # 3 prompts: rank 0 samples 1, rank 1 samples 2
     greedy = SamplingParams(temperature=0.0, max_new_tokens=5, n=2)
@@ -252,6 +256,36 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
         assert engine.last_sync_s > 0
         synced, updated = generated_vs_policy(engine.generate(prompts, greedy))
         torch.testing.assert_close(synced, updated, atol=1e-4, rtol=0)
+        # sampled (temperature 1, top-k): still the policy's distribution, and the same again after a sync
+        sampled = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=6, n=4)
+        engine_logprobs, policy_logprobs = generated_vs_policy(engine.generate(prompts, sampled))
+        torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
+    finally:
+        close(group, pool)
+
+
+def test_rollout_servers_take_the_policy_from_a_checkpoint_rank_0_writes(cluster, model_dir):
+    """rollout.name=sglang in a Ray run: no engine in the ranks; servers speaking SGLang's HTTP API (the
+    built-in server here) generate, and load every new policy from the folder rank 0 writes."""
+    from tests.helpers import service_process
+    from trainer.rollout.manager import http_manager
+    from trainer.workers.group import GroupWeights
+
+    group, pool = policy_group(model_dir, nnodes=2)
+    args = ("--model", str(model_dir), "--device", "cpu", "--context-length", "64")
+    try:
+        with service_process("trainer.rollout.server", *args) as (url, _):
+            manager = http_manager([url], pad_id=0)
+            prompts, greedy = [[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_new_tokens=5)
+            try:
+                for seed in (1, 2):
+                    group.update(make_batch(seed=seed))
+                manager.load_weights(GroupWeights(group))
+                batch = TrainBatch.from_rollouts(manager.generate(prompts, greedy), pad_id=0)
+                policy_logprobs = group.compute_logprobs(batch).logprobs
+                torch.testing.assert_close(batch.rollout_logprobs, policy_logprobs, atol=1e-4, rtol=0)
+            finally:
+                manager.close()
     finally:
         close(group, pool)
 
@@ -383,3 +417,26 @@ def test_fit_on_two_ranks_dies_cleanly_and_resumes_on_one_process(cluster, model
     ):
         assert on_one[name] == pytest.approx(on_ranks[name], rel=1e-4, abs=1e-6), name
     assert "timing_s/update_weights" in on_ranks and on_ranks["perf/throughput"] > 0
+
+
+def test_fit_on_two_ranks_generates_with_their_builtin_engines(cluster, model_dir, gsm8k_files, tmp_path):
+    """The loop on 2 ranks with rollout.name=builtin: each rank's engine samples, is synced after every
+    update, and its logprobs stay those of the policy (the gap verl logs, fp32 on CPU)."""
+    import asyncio
+
+    from trainer.config import load_config
+    from trainer.loop import _fit
+
+    cfg = load_config(
+        fit_args(model_dir, gsm8k_files, tmp_path, steps=2, ranks=2)
+        + ["reward_model.mode=local", "trainer.save_freq=-1", "actor_rollout_ref.rollout.name=builtin"]
+    )
+    assert cfg.actor_rollout_ref.rollout.engine == "builtin"
+    asyncio.run(_fit(cfg))
+    steps = logged_steps(tmp_path)
+    assert sorted(steps) == [1, 2]
+    for metrics in steps.values():
+        assert metrics["training/rollout_probs_diff_max"] < 1e-3
+        assert metrics["timing_s/update_weights"] > 0
+    # step 2 samples from the weights step 1 trained: a stale engine would drift from the policy
+    assert steps[2]["training/rollout_logprob_diff_mean"] < 1e-4

@@ -11,7 +11,7 @@ When a key starts to do something, delete it here and add it, typed and document
 from __future__ import annotations
 
 _REF_AND_ACTOR = """
-    ulysses_sequence_parallel_size entropy_from_logits_with_chunking entropy_checkpointing use_torch_compile
+    ulysses_sequence_parallel_size entropy_from_logits_with_chunking entropy_checkpointing
     profiler router_replay rollout_n strategy
 """
 # fsdp_config keys of verl's FSDP (1 and 2) that change nothing here: one unit per decoder layer, fp32
@@ -43,7 +43,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "actor_rollout_ref.model",
             """
-            external_lib use_shm enable_activation_offload use_liger use_fused_kernels
+            external_lib use_shm enable_activation_offload use_liger
             fused_kernel_options lora_alpha target_modules exclude_modules lora_adapter_path override_config
             hf_config_path tokenizer_path tiled_mlp mtp
             """,
@@ -72,7 +72,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             mode log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu dtype enforce_eager free_cache_engine
             load_format max_num_batched_tokens max_model_len max_num_seqs enable_chunked_prefill
             disable_log_stats calculate_log_probs layered_summon update_weights_bucket_megabytes
-            over_sample_rate multi_stage_wake_up gpu_memory_utilization ignore_eos engine_kwargs
+            over_sample_rate multi_stage_wake_up ignore_eos engine_kwargs
             cudagraph_capture_sizes data_parallel_size expert_parallel_size pipeline_model_parallel_size
             enable_prefix_caching logprobs_mode scheduling_policy agent checkpoint_engine trace skip_rollout
             skip_dump_dir skip_tokenizer_init enable_rollout_routing_replay profiler prometheus quantization

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from trainer.config.run import Config
 
 GPUS = "trainer.nnodes * trainer.n_gpus_per_node"
+ENGINE_KINDS = {"hf": "transformers generate", "builtin": "the fast engine, colocated"}
 
 
 def problems(config: Config) -> list[str]:
@@ -41,10 +42,10 @@ def ray_problems(config: Config) -> list[str]:
 def notices(config: Config) -> list[str]:
     lines = []
     rollout = config.actor_rollout_ref.rollout
-    if rollout.name != rollout.engine:
+    if rollout.name == "vllm":
         lines.append(
             f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
-            f"engine ({rollout.engine}: transformers generate) generates instead"
+            f"engine ({rollout.engine}: {ENGINE_KINDS[rollout.engine]}) generates instead"
         )
     if rollout.n > 1 and not rollout.do_sample:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")

@@ -18,9 +18,23 @@ if TYPE_CHECKING:
     from trainer.config.run import Config
     from trainer.config.schema import Section
 
-# What generates for each rollout.name (trainer/rollout/factory.py builds it). vllm is not wired in
-# yet: transformers generate runs instead, and trainer/config/checks.py says so at start.
-ENGINE_USED = {"hf": "hf", "builtin": "builtin", "sglang": "sglang", "vllm": "hf"}
+# What generates for each rollout.name (trainer/rollout/factory.py builds it). auto (and vllm, which is
+# not wired in yet: trainer/config/checks.py says so at start) pick the fast built-in engine on a GPU and
+# transformers generate on the CPU, where the built-in engine gains nothing and needs a weight copy.
+ENGINE_USED = {"hf": "hf", "builtin": "builtin", "sglang": "sglang"}
+
+
+def engine_used(name: str, device: str) -> str:
+    """The engine that generates for rollout.name on trainer.device (auto: a CUDA GPU if one is seen)."""
+    if name in ENGINE_USED:
+        return ENGINE_USED[name]
+    return "builtin" if device == "cuda" or (device == "auto" and gpu_present()) else "hf"
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU this process may use, seen without importing torch (the config stays torch-free)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    return not hidden and os.path.exists("/dev/nvidiactl")
 
 
 def per_gpu(global_size: int | None, world: int) -> int | None:
@@ -39,7 +53,7 @@ def fill_derived(config: Config) -> None:
     data.gen_batch_size = data.gen_batch_size or data.train_batch_size
     rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
     rollout.response_length = rollout.response_length or data.max_response_length
-    rollout.engine = ENGINE_USED[rollout.name]
+    rollout.engine = engine_used(rollout.name, config.trainer.device)
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
     actor.loss_scale_factor = actor.loss_scale_factor or data.max_response_length

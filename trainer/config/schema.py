@@ -138,6 +138,12 @@ class ModelConfig(Section):
         description="Pack each micro-batch's sequences into one row (no padding) for the policy, reference "
         "and critic forwards; variable-length flash attention on CUDA.",
     )
+    use_fused_kernels: bool = Field(
+        True,
+        description="Logprobs and entropy through the LM head in one chunked pass with a hand-written "
+        "backward, never keeping fp32 [tokens x vocab] logits (trainer/workers/logprobs.py); false: the "
+        "plain chunked path under activation checkpointing.",
+    )
     lora_rank: int = Field(0, ge=0, description="LoRA rank. Only 0 (full fine-tuning) is supported.")
 
 
@@ -210,7 +216,16 @@ class ActorConfig(Section):
     loss_scale_factor: int | None = Field(
         None, ge=1, description="seq-mean-token-sum-norm (Dr.GRPO) divisor. null: data.max_response_length."
     )
-    entropy_coeff: float = Field(0.0, description="Weight of the entropy bonus (subtracted from the loss).")
+    entropy_coeff: float = Field(
+        0.0,
+        description="Weight of the entropy bonus (subtracted from the loss). 0: entropy is still logged, "
+        "but computed without gradients.",
+    )
+    use_torch_compile: bool = Field(
+        True,
+        description="GPU runs: compile each decoder layer and the logprob chunk with torch.compile (the "
+        "attention call stays eager); a layer that fails to compile runs eagerly. CPU runs stay eager.",
+    )
     use_kl_loss: bool = Field(False, description="Add KL(policy || reference) to the loss (GRPO style).")
     kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss.")
     kl_loss_type: KLType = Field(
@@ -240,12 +255,13 @@ class MultiTurnConfig(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf", "builtin", "sglang", "vllm"] = Field(
-        "hf",
-        description="Generation engine asked for. hf: transformers over the policy's own module; "
-        "builtin: the built-in fast engine (continuous batching; Triton kernels and CUDA graphs on GPU); "
-        "sglang: SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not wired in yet, "
-        "hf generates instead (said at start).",
+    name: Literal["auto", "hf", "builtin", "sglang", "vllm"] = Field(
+        "auto",
+        description="Generation engine asked for. auto: builtin on a GPU, hf on the CPU. hf: transformers "
+        "over the policy's own module (a bf16 copy in Ray ranks); builtin: the built-in fast engine "
+        "(continuous batching; Triton kernels and CUDA graphs on GPU) colocated with the policy; sglang: "
+        "SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not wired in yet, auto's "
+        "engine generates instead (said at start).",
     )
     engine: str | None = Field(
         None,
@@ -266,6 +282,14 @@ class RolloutConfig(Section):
     stop_token_ids: list[int] = Field(
         default_factory=list, description="Token ids that end a response, besides EOS."
     )
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="builtin on a GPU: the engine's weights and KV cache take at most this share of the "
+        "GPU's memory (and no more than is free when it generates); the KV cache exists only while it "
+        "generates. sglang servers started here: their --mem-fraction-static.",
+    )
     tensor_model_parallel_size: int = Field(
         1, ge=1, description="Engine tensor parallel size; must divide the GPU count (as verl checks)."
     )
@@ -285,6 +309,9 @@ class RolloutConfig(Section):
 
 class RefConfig(Section):
     fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig, description="The reference's FSDP2 shards.")
+    use_torch_compile: bool = Field(
+        True, description="GPU runs: compile the reference's decoder layers (as the actor's key)."
+    )
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         None, ge=1, description="Sequences per reference forward. null: the actor's micro-batch."
     )

@@ -73,11 +73,12 @@ class RolloutManager:
         """Send the policy's current weights to every replica."""
         self._run(self._load_weights(state_dict_or_model))
 
-    def release_memory(self) -> None:
-        self._run(self.pool.broadcast(lambda r: r.release_memory_occupation()))
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang's memory tags: "kv_cache", "weights"; None: both."""
+        self._run(self.pool.broadcast(lambda r: r.release_memory_occupation(tags)))
 
-    def resume_memory(self) -> None:
-        self._run(self.pool.broadcast(lambda r: r.resume_memory_occupation()))
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._run(self.pool.broadcast(lambda r: r.resume_memory_occupation(tags)))
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -26,7 +26,7 @@ from trainer.workers.common import (
     global_denominators,
 )
 from trainer.workers.logprobs import (
-    DEFAULT_LOGITS_CHUNK_SIZE,
+    LogprobHead,
     ResponseLogprobs,
     batched_response_logprobs,
     response_logprobs,
@@ -74,17 +74,18 @@ class Policy(TrainedModel):
         temperature: float = 1.0,
         log_prob_micro_batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
-        logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
+        head: LogprobHead = LogprobHead(),
         dp: DataParallel = SINGLE_PROCESS,
     ) -> None:
         """temperature: the rollout's, so logprobs are taken under the distribution that sampled.
         log_prob_micro_batch_size: sequences per compute_logprobs forward (default: the update's).
+        head: how the LM head's logprobs are computed (trainer/workers/logprobs.py).
         """
         super().__init__(model, optim, update, autocast_dtype=autocast_dtype, dp=dp)
         self.loss = loss
         self.temperature = temperature
         self.log_prob_micro_batch_size = log_prob_micro_batch_size or update.micro_batch_size
-        self.logits_chunk_size = logits_chunk_size
+        self.head = head
 
     def is_on_policy(self, batch_size: int) -> bool:
         """Whether update() of a batch this size may skip old_logprobs (see `is_on_policy`)."""
@@ -99,7 +100,7 @@ class Policy(TrainedModel):
             temperature=self.temperature,
             with_entropy=with_entropy,
             autocast_dtype=self.autocast_dtype,
-            chunk_size=self.logits_chunk_size,
+            head=self.head,
         )
 
     def check_update_inputs(self, batch: TrainBatch) -> None:
@@ -124,8 +125,9 @@ class Policy(TrainedModel):
                     self.model,
                     micro,
                     temperature=self.temperature,
-                    with_entropy=True,
-                    chunk_size=self.logits_chunk_size,
+                    with_entropy=True,  # logged every step; a gradient only when it is in the loss
+                    entropy_grad=self.loss.entropy_coeff != 0,
+                    head=self.head,
                 )
             terms = policy_loss_terms(out, micro, self.loss, denominators)
             terms.pop("total").backward()

@@ -378,6 +378,10 @@ class PolicyGroup(RoleGroup):
         """Every rank's engine takes the current policy weights; returns the slowest rank's seconds."""
         return max(self.call_all("sync_weights"))
 
+    def save_hf_weights(self, folder: str) -> None:
+        """Rank 0 writes the current policy as a transformers checkpoint into `folder` (rollout servers)."""
+        self.call_all("save_hf_weights", [(folder,)] * self.world_size)
+
     def save(self, directory: str) -> None:
         self.call_all("save", [(directory,)] * self.world_size)
 
@@ -389,7 +393,7 @@ class GroupRolloutEngine:
     """The policy ranks' colocated engines as one `RolloutEngine` for the loop.
 
     load_weights() syncs every rank's engine from its FSDP shards (the argument is ignored: the weights
-    never pass through the driver); memory release and resume happen inside the ranks around updates.
+    never pass through the driver). Each rank's engine holds its KV cache only while it generates.
     """
 
     def __init__(self, policy: PolicyGroup, pad_id: int) -> None:
@@ -403,10 +407,22 @@ class GroupRolloutEngine:
         self.last_sync_s = self.policy.sync_weights()
 
     def release_memory(self) -> None:
-        """The ranks release their engines' memory before every update."""
+        """Nothing to do: the ranks' KV caches exist only inside generate()."""
 
     def resume_memory(self) -> None:
-        """The ranks restore it before every sync."""
+        """Nothing to do: generate() allocates the KV caches."""
 
     def close(self) -> None:
-        """The engines live and die with the policy ranks (the groups' shutdown)."""
+        """The ranks' engines end with their group (Groups.shutdown)."""
+
+
+class GroupWeights:
+    """The policy group's current weights in the form RolloutManager.load_weights takes a model: it calls
+    save_pretrained(folder), and rank 0 writes the checkpoint there (the folder must be reachable from
+    rank 0's node: one node, or a shared file system)."""
+
+    def __init__(self, policy: PolicyGroup) -> None:
+        self.policy = policy
+
+    def save_pretrained(self, folder, safe_serialization: bool = True) -> None:
+        self.policy.save_hf_weights(str(folder))

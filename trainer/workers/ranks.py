@@ -6,24 +6,26 @@ between calls, sharded checkpoints, and, for the policy, the colocated rollout e
 sync into it. The group (trainer/workers/group.py) builds one per rank through `build_*`, which run
 inside the rank's process: models are loaded there from their path, never shipped from the driver.
 
-Weight sync (colocated): every policy rank holds a whole bf16 copy of the model for generation (the
-built-in engine). After an update, the ranks gather the policy's parameters tensor by tensor
-(`iter_full_state`, a collective) and hand them to their engine in buckets of ~256 MB through
-`RolloutEngine.load_weights`; the engine's KV cache is released while the policy trains and restored
-before the sync.
+Weight sync (colocated): every policy rank runs a rollout engine on its own whole bf16 copy of the
+model (trainer/workers/engines.py: the built-in fast engine by default). After an update, the ranks
+gather the policy's parameters tensor by tensor (`iter_full_state`, a collective) and hand them to their
+engine in buckets of ~256 MB (`load_weights` of a subset of the named tensors). The engine's KV cache
+exists only while it generates, so the training passes have that memory. Separate rollout servers
+(SGLang's HTTP API) get the weights as a checkpoint folder that rank 0 writes (`save_hf_weights`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trainer.checkpoint import load_role_state, save_role_state
+from trainer.compiling import compile_model
 from trainer.distributed import DataParallel
 from trainer.fsdp import (
     FSDPSettings,
@@ -38,7 +40,9 @@ from trainer.rollout.base import Rollout, SamplingParams
 from trainer.workers.actor import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.engines import EngineSettings, builtin_engine, hf_engine_copy
 from trainer.workers.group import PolicyProfile
+from trainer.workers.logprobs import LogprobHead
 from trainer.workers.reference import Reference
 
 SYNC_BUCKET_BYTES = 256 * 2**20
@@ -52,10 +56,13 @@ class ModelSettings:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     remove_padding: bool = False  # pack each micro-batch's sequences (trainer/packing.py)
+    compile: bool = False  # torch.compile the decoder layers on CUDA (trainer/compiling.py)
     fsdp: FSDPSettings = dataclasses.field(default_factory=FSDPSettings)
 
 
-def _sharded(loader: Callable, settings: ModelSettings, dp: DataParallel, device: torch.device, **extra):
+def _loaded(loader: Callable, settings: ModelSettings, device: torch.device, **extra):
+    """The role's model in fp32 on the CPU, set up for packed forwards and compiled layers as asked:
+    ready to shard."""
     model = loader(
         settings.path,
         device="cpu",
@@ -65,7 +72,14 @@ def _sharded(loader: Callable, settings: ModelSettings, dp: DataParallel, device
     )
     if settings.remove_padding:
         use_packed_attention(model)
-    return shard_model(model, dp, settings.fsdp, device)
+    if settings.compile and device.type == "cuda":
+        trains = any(p.requires_grad for p in model.parameters())
+        compile_model(model, device=device, dtype=settings.fsdp.param_dtype, train=trains)
+    return model
+
+
+def _sharded(loader: Callable, settings: ModelSettings, dp: DataParallel, device: torch.device, **extra):
+    return shard_model(_loaded(loader, settings, device, **extra), dp, settings.fsdp, device)
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
@@ -118,13 +132,6 @@ class _Checkpointed:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineSettings:
-    """The colocated rollout engine each policy rank runs (the built-in engine on a bf16 copy)."""
-
-    max_batch_size: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
 class PolicyRankSettings:
     model: ModelSettings
     optim: OptimizerSettings
@@ -132,19 +139,20 @@ class PolicyRankSettings:
     loss: PolicyLossSettings
     temperature: float = 1.0
     log_prob_micro_batch_size: int | None = None
+    head: LogprobHead = LogprobHead()
     engine: EngineSettings | None = None  # None: no colocated engine (generation runs elsewhere)
 
 
 class PolicyRank(_Checkpointed):
     def __init__(self, settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> None:
-        model = _sharded(
-            load_policy,
-            settings.model,
-            dp,
-            device,
-            gradient_checkpointing=settings.model.gradient_checkpointing,
+        model = _loaded(
+            load_policy, settings.model, device, gradient_checkpointing=settings.model.gradient_checkpointing
         )
+        # the engine copies the whole weights before they are sharded: no second read from disk
+        self.engine = _colocated_engine(settings, model, device) if settings.engine is not None else None
+        model = shard_model(model, dp, settings.model.fsdp, device)
         self.dp, self.device, self.hf_source = dp, device, settings.model.path
+        self.compute_dtype = settings.model.fsdp.param_dtype or torch.float32
         self.trained = Policy(
             model,
             settings.optim,
@@ -152,14 +160,12 @@ class PolicyRank(_Checkpointed):
             settings.loss,
             temperature=settings.temperature,
             log_prob_micro_batch_size=settings.log_prob_micro_batch_size,
+            head=settings.head,
             dp=dp,
         )
         self.offloader = Offloader(model, self.trained.optimizer, settings.model.fsdp, device)
-        self.engine = _colocated_engine(settings, device) if settings.engine is not None else None
 
     def update(self, shard) -> dict[str, float]:
-        if self.engine is not None:
-            self.engine.release_memory()
         with self.offloader.on_device():
             return self.trained.update(shard) | peak_memory(self.device)
 
@@ -176,45 +182,52 @@ class PolicyRank(_Checkpointed):
     def sync_weights(self) -> float:
         """Copy the current policy into this rank's engine (a collective); returns the seconds it took."""
         start = time.perf_counter()
-        self.engine.resume_memory()
-        dtype = next(self.engine.model.parameters()).dtype
         with self.offloader.on_device():
-            for bucket in buckets(iter_full_state(self.trained.model, dtype), SYNC_BUCKET_BYTES):
+            for bucket in buckets(iter_full_state(self.trained.model, self.engine.dtype), SYNC_BUCKET_BYTES):
                 self.engine.load_weights(bucket)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
+    def save_hf_weights(self, folder: str) -> None:
+        """Rank 0 writes the current policy as a transformers checkpoint (config + safetensors in the
+        compute dtype: bf16 on GPU) into `folder`, for rollout servers to load (a collective)."""
+        from safetensors.torch import save_file
 
-def _colocated_engine(settings: PolicyRankSettings, device: torch.device):
-    from trainer.rollout.hf_engine import HFRolloutEngine
+        writer = self.dp.rank == 0
+        tensors = {}
+        with self.offloader.on_device():
+            for name, tensor in iter_full_state(self.trained.model, self.compute_dtype):
+                if writer:
+                    tensors[name] = tensor.to("cpu", copy=True)
+        if writer:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.trained.model.config.save_pretrained(folder)
+            save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
 
-    class ColocatedHFEngine(HFRolloutEngine):
-        """The built-in engine on its own copy of the model, taking weights bucket by bucket."""
 
-        def load_weights(self, named) -> None:
-            copy_named_tensors(self.model, named)
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = load_reference(
-        settings.model.path,
+def _colocated_engine(settings: PolicyRankSettings, model: torch.nn.Module, device: torch.device):
+    engine = settings.engine
+    trust = settings.model.trust_remote_code
+    tokenizer = load_tokenizer(settings.model.path, trust_remote_code=trust)
+    if engine.name == "hf":
+        return hf_engine_copy(
+            settings.model.path,
+            tokenizer,
+            device=device,
+            trust_remote_code=trust,
+            max_batch_size=engine.max_batch_size,
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return builtin_engine(
+        model,
+        tokenizer,
         device=device,
-        param_dtype=dtype,
-        trust_remote_code=settings.model.trust_remote_code,
+        context_length=engine.context_length,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        max_slots=engine.max_slots,
+        pad_id=pad_id,
     )
-    tokenizer = load_tokenizer(settings.model.path, trust_remote_code=settings.model.trust_remote_code)
-    return ColocatedHFEngine(model, tokenizer, max_batch_size=settings.engine.max_batch_size)
-
-
-def copy_named_tensors(model: torch.nn.Module, named: Mapping[str, torch.Tensor]) -> None:
-    """Copy some of a model's tensors in place, by state-dict name (a partial load_state_dict)."""
-    state = model.state_dict(keep_vars=True)
-    unknown = sorted(set(named) - set(state))
-    if unknown:
-        raise KeyError(f"the engine's model has no tensors named {unknown[:5]}")
-    with torch.no_grad():
-        for name, tensor in named.items():
-            state[name].copy_(tensor)
 
 
 def build_policy(settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> PolicyRank:
@@ -229,13 +242,17 @@ class ReferenceRankSettings:
     model: ModelSettings
     temperature: float = 1.0
     micro_batch_size: int = 8
+    head: LogprobHead = LogprobHead()
 
 
 class ReferenceRank:
     def __init__(self, settings: ReferenceRankSettings, dp: DataParallel, device: torch.device) -> None:
         model = _sharded(load_reference, settings.model, dp, device)
         self.reference = Reference(
-            model, temperature=settings.temperature, micro_batch_size=settings.micro_batch_size
+            model,
+            temperature=settings.temperature,
+            micro_batch_size=settings.micro_batch_size,
+            head=settings.head,
         )
         self.offloader = Offloader(model, None, settings.model.fsdp, device)
 

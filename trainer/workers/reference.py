@@ -11,7 +11,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from trainer.batch import TrainBatch
-from trainer.workers.logprobs import DEFAULT_LOGITS_CHUNK_SIZE, batched_response_logprobs
+from trainer.workers.logprobs import LogprobHead, batched_response_logprobs
 
 
 class Reference:
@@ -24,14 +24,14 @@ class Reference:
         micro_batch_size: int,
         temperature: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
-        logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
+        head: LogprobHead = LogprobHead(),
     ) -> None:
         """micro_batch_size: sequences per forward; temperature: the rollout's, as the policy's."""
         self.model = model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype
-        self.logits_chunk_size = logits_chunk_size
+        self.head = head
 
     def compute_logprobs(self, batch: TrainBatch) -> Tensor:
         """[B, T] sampled-token logprobs under the reference, 0 on padding."""
@@ -42,7 +42,7 @@ class Reference:
             temperature=self.temperature,
             with_entropy=False,
             autocast_dtype=self.autocast_dtype,
-            chunk_size=self.logits_chunk_size,
+            head=self.head,
         ).logprobs
 
     def state_dict(self) -> dict:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from trainer.rollout.base import FinishReason, SamplingParams
 from trainer.rollout.builtin import kernels
+from trainer.rollout.builtin.memory import describe, device_memory, kv_slots
 from trainer.rollout.builtin.model import EngineModel, KVCache, torch_decode_attention
 from trainer.rollout.builtin.runner import DecodeRunner, Readback, StepInputs
 from trainer.rollout.builtin.sampler import needs_floor, sample, sampling_floors, token_seeds
@@ -43,10 +44,13 @@ class EngineStateError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_running: int = 256  # KV slots: the most sequences decoded together
+    max_running: int = 256  # KV slots: the most sequences decoded together (the cap when sized by memory)
     context_length: int = 4096  # prompt + response tokens one slot holds
     max_prefill_tokens: int = 16384  # padded prompt tokens per prefill forward (one long prompt may exceed)
     cuda_graphs: bool = True  # capture decode steps (CUDA + Triton only)
+    # CUDA: size the slots so that weights + KV cache take at most this fraction of the GPU and fit in
+    # what is free when the cache is allocated (memory.py); None: exactly max_running slots
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass
@@ -236,29 +240,61 @@ class BuiltinEngine:
         if "weights" in tags and "weights" in self.released:
             self.model.move_to(self.device)
             self.released.discard("weights")
-        if "kv_cache" in tags and "weights" not in self.released:
-            self.released.discard("kv_cache")
+        if "kv_cache" in tags and "weights" not in self.released and "kv_cache" in self.released:
             self._allocate()
+            self.released.discard("kv_cache")
 
     # ------------------------------------------------------------------------------------ internals
 
     def _allocate(self) -> None:
         cfg = self.config
+        self.max_running = self._slot_count()
         self.cache = KVCache(
-            self.model.shape, cfg.max_running, cfg.context_length, self.model.dtype, self.device
+            self.model.shape, self.max_running, cfg.context_length, self.model.dtype, self.device
         )
-        self.last_token = torch.zeros(cfg.max_running + 1, dtype=torch.int64, device=self.device)
+        self.last_token = torch.zeros(self.max_running + 1, dtype=torch.int64, device=self.device)
         attend = kernels.decode_attention if self.fused else torch_decode_attention
         self.runner = DecodeRunner(
             self.model,
             self.cache,
             self.last_token,
             attend,
-            cfg.max_running,
+            self.max_running,
             self.use_graphs,
             fused=self.fused,
         )
-        self.free_slots = list(range(cfg.max_running - 1, -1, -1))
+        self.free_slots = list(range(self.max_running - 1, -1, -1))
+
+    def _slot_count(self) -> int:
+        """config.max_running, or as many slots as gpu_memory_utilization and the free memory allow."""
+        cfg = self.config
+        if cfg.gpu_memory_utilization is None or self.device.type != "cuda":
+            return cfg.max_running
+        memory = device_memory(self.device)
+        weights = self.model.nbytes
+        slots = kv_slots(
+            self.model.shape,
+            context=cfg.context_length,
+            dtype=self.model.dtype,
+            memory=memory,
+            utilization=cfg.gpu_memory_utilization,
+            weights_bytes=weights,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            cap=cfg.max_running,
+        )
+        if slots < 1:
+            raise EngineStateError(
+                f"no room for a KV cache of {cfg.context_length}-token slots ("
+                f"{describe(memory, cfg.gpu_memory_utilization, weights)}): raise "
+                "rollout.gpu_memory_utilization, shorten the context or free GPU memory"
+            )
+        log.info(
+            "KV cache: %d slots of %d tokens (%s)",
+            slots,
+            cfg.context_length,
+            describe(memory, cfg.gpu_memory_utilization, weights),
+        )
+        return slots
 
     def warmup(self) -> None:
         """Capture every CUDA-graph bucket now rather than at first use."""
@@ -275,8 +311,8 @@ class BuiltinEngine:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
                 f"engine's context length {cfg.context_length}"
             )
-        if sampling.n > cfg.max_running:
-            raise ValueError(f"n={sampling.n} exceeds the engine's max_running={cfg.max_running}")
+        if sampling.n > self.max_running:
+            raise ValueError(f"n={sampling.n} exceeds the engine's max_running={self.max_running}")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
 

@@ -1,0 +1,134 @@
+"""The engine next to the policy: KV slots sized from rollout.gpu_memory_utilization, the KV cache held only
+while generating, bucketed weight updates, and which engine rollout.name picks on which device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.trainer.test_rollout_engine import encode, varied_model
+from trainer.config import load_config
+from trainer.rollout.base import SamplingParams
+from trainer.rollout.builtin.memory import DeviceMemory, kv_slots, reserve_bytes, slot_bytes
+from trainer.rollout.builtin.model import ModelShape
+from trainer.workers.engines import builtin_engine
+
+GiB = 2**30
+# Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 dims, vocab 151936
+QWEN_05B = ModelShape(
+    vocab=151936,
+    hidden=896,
+    layers=24,
+    heads=14,
+    kv_heads=2,
+    head_dim=64,
+    intermediate=4864,
+    rms_eps=1e-6,
+    rope_theta=1e6,
+    qkv_bias=True,
+    qk_norm=False,
+    tied_embeddings=True,
+    max_positions=32768,
+)
+
+
+def test_slot_bytes_and_the_slot_count_follow_the_budget():
+    # a 768-token slot: 2 (k, v) x 24 layers x 2 heads x 768 x 64 dims x 2 bytes = 9,437,184 bytes of KV,
+    # plus a 151936-entry logits row in bf16 (2 bytes) and two fp32 copies (8 bytes): 1,519,360 bytes
+    assert slot_bytes(QWEN_05B, 768, torch.bfloat16) == 9_437_184 + 1_519_360
+    per_slot = 10_956_544
+    reserve = reserve_bytes(QWEN_05B, 16384, torch.bfloat16)
+    weights = 1 * GiB
+    # 80 GiB GPU, utilization 0.5, nearly all free: 40 GiB - 1 GiB weights - reserve, minus the scratch slot
+    free = DeviceMemory(total=80 * GiB, available=70 * GiB)
+    expected = (40 * GiB - weights - reserve) // per_slot - 1
+    sized = kv_slots(
+        QWEN_05B,
+        context=768,
+        dtype=torch.bfloat16,
+        memory=free,
+        utilization=0.5,
+        weights_bytes=weights,
+        max_prefill_tokens=16384,
+        cap=100_000,
+    )
+    assert sized == expected and 3500 < sized < 3800
+    # the trainer holds most of the GPU: what is free now is the limit, not the utilization
+    busy = DeviceMemory(total=80 * GiB, available=12 * GiB)
+    assert (
+        kv_slots(
+            QWEN_05B,
+            context=768,
+            dtype=torch.bfloat16,
+            memory=busy,
+            utilization=0.5,
+            weights_bytes=weights,
+            max_prefill_tokens=16384,
+            cap=100_000,
+        )
+        == (12 * GiB - reserve) // per_slot - 1
+    )
+    # the cap, and nothing at all when even one slot does not fit
+    common = {"context": 768, "dtype": torch.bfloat16, "weights_bytes": weights, "max_prefill_tokens": 16384}
+    assert kv_slots(QWEN_05B, memory=free, utilization=0.5, cap=512, **common) == 512
+    assert kv_slots(QWEN_05B, memory=free, utilization=0.02, cap=512, **common) == 0
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        kv_slots(QWEN_05B, memory=free, utilization=1.5, cap=512, **common)
+
+
+def test_the_kv_cache_exists_only_while_generating_and_weights_update_in_buckets():
+    model, tok = varied_model("qwen2", seed=3)
+    engine = builtin_engine(
+        model, tok, device=torch.device("cpu"), context_length=96, gpu_memory_utilization=0.5, pad_id=0
+    )
+    inner = engine.engine.pool.replicas[0].engine  # the BuiltinEngine behind the in-process manager
+    try:
+        assert inner.released == {"kv_cache"} and inner.cache is None
+        prompts = encode(tok)[:3]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        before = [r.response_ids for r in engine.generate(prompts, greedy)]
+        assert inner.released == {"kv_cache"} and inner.cache is None  # released again once done
+        # the policy moves on; its tensors reach the engine in two buckets (a subset each), cache released
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            for parameter in moved.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
+        state = moved.state_dict()
+        names = sorted(state)
+        engine.load_weights({name: state[name] for name in names[: len(names) // 2]})
+        engine.load_weights({name: state[name] for name in names[len(names) // 2 :]})
+        after = [r.response_ids for r in engine.generate(prompts, greedy)]
+        from trainer.rollout.builtin import load_engine
+
+        reference = load_engine(moved, tokenizer=tok, dtype=torch.float32, device="cpu")
+        expected = [g[0].token_ids for g in reference.generate(prompts, greedy)]
+        assert after == expected and after != before
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "engine"),
+    [
+        ("auto", "cpu", "hf"),
+        ("auto", "cuda", "builtin"),
+        ("vllm", "cpu", "hf"),
+        ("vllm", "cuda", "builtin"),
+        ("hf", "cuda", "hf"),
+        ("builtin", "cpu", "builtin"),
+    ],
+)
+def test_which_engine_generates(name, device, engine):
+    config = load_config([f"actor_rollout_ref.rollout.name={name}", f"trainer.device={device}"], check=False)
+    assert config.actor_rollout_ref.rollout.engine == engine
+    notices = [line for line in config.notices() if line.startswith("rollout: ")]
+    if name == "vllm":
+        kind = {"hf": "transformers generate", "builtin": "the fast engine, colocated"}[engine]
+        assert notices == [
+            "rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet; the built-in engine "
+            f"({engine}: {kind}) generates instead"
+        ]
+    else:
+        assert notices == []
