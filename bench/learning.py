@@ -95,8 +95,18 @@ def load_recipe(path: Path, overrides: list[str]) -> dict:
         node = recipe
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+        node[leaf] = scalar(yaml.safe_load(value))
     return recipe
+
+
+def scalar(value):
+    """YAML 1.1 reads 3e-5 as a string; the trainer's command line reads it as a number, and so do we."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def shared_settings(recipe: dict) -> Shared:
