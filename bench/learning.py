@@ -548,6 +548,8 @@ def run_arm(ctx: argparse.Namespace, arm: str, s: Shared) -> None:
     points = evaluate_points(trained["points"], ctx, s)
     result = {
         "arm": arm,
+        "budget_s": ctx.budget_s,
+        "settings": asdict(s),
         "points": [asdict(p) for p in points],
         "steps": trained["steps"],
         "train_wall_s": train_wall,
@@ -596,13 +598,15 @@ def device_name(device: str) -> str:
     return "cpu"
 
 
-def report(ctx: argparse.Namespace, s: Shared) -> dict:
-    base = json.loads((ctx.out / "base.json").read_text())
-    arms = {arm: json.loads((ctx.out / arm / "result.json").read_text()) for arm in ARMS}
+def report(out: Path) -> dict:
+    """summary.json and accuracy.png from base.json and the arms' result.json (wherever they were copied)."""
+    base = json.loads((out / "base.json").read_text())
+    arms = {arm: json.loads((out / arm / "result.json").read_text()) for arm in ARMS}
+    budget_s, settings = arms["ours"]["budget_s"], arms["ours"]["settings"]
     summary = {
-        "budget_s": ctx.budget_s,
-        "settings": asdict(s),
-        "trl_batching": trl_batching(s),
+        "budget_s": budget_s,
+        "settings": settings,
+        "trl_batching": trl_batching(Shared(**settings)),
         "base": {k: base[k] for k in ("accuracy", "correct", "n", "mean_response_tokens")},
         "versions": versions(),
     }
@@ -621,8 +625,8 @@ def report(ctx: argparse.Namespace, s: Shared) -> dict:
         "ours_gain_at_least_5_points": ours is not None and 100 * (ours - base["accuracy"]) >= 5,
         "ours_above_trl": ours is not None and trl is not None and ours > trl,
     }
-    (ctx.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot(ctx.out / "accuracy.png", base["accuracy"], arms, ctx.budget_s)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(out / "accuracy.png", base["accuracy"], arms, budget_s)
     return summary
 
 
@@ -639,7 +643,11 @@ def versions() -> dict:
 
 
 def plot(path: Path, base_accuracy: float, arms: dict, budget_s: float) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the offline GPU machine has no matplotlib: plot wherever the JSON files go
+        print(f"no matplotlib here: copy {path.parent}'s *.json files and run the report stage elsewhere")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -724,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.stage in ("all", "arms"):
         run_arms(ctx)
     if ctx.stage in ("all", "report"):
-        summary = report(ctx, s)
+        summary = report(ctx.out)
         print(json.dumps({k: summary[k] for k in ("base", "ours", "trl", "aims")}, indent=2))
     return 0
 
