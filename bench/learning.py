@@ -164,13 +164,15 @@ def keep_latest_per_mark(clocks: dict[int, float], mark_list: list[float]) -> se
 
 
 def curve_points(clocks: dict[int, float], mark_list: list[float]) -> list[int]:
-    """The latest saved step at or before each mark (marks with none before them are skipped)."""
+    """The latest saved step at or before each mark (marks with none before them are skipped); when
+    every saved step is past the first mark (a budget shorter than a step), the earliest one.
+    """
     chosen = []
     for mark in mark_list:
         before = [step for step, clock in clocks.items() if clock <= mark]
         if before and max(before) not in chosen:
             chosen.append(max(before))
-    return chosen
+    return chosen or sorted(clocks)[:1]
 
 
 # ------------------------------------------------------------------------------------------ prepare

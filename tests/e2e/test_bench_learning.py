@@ -72,7 +72,8 @@ def test_curve_keeps_the_latest_checkpoint_before_each_mark():
     assert learning.curve_points(clocks, marks) == [10, 20]
     # While training: also the newest (25 may not be final yet); 5 and 15 can go.
     assert learning.keep_latest_per_mark(clocks, marks) == {10, 20, 25}
-    assert learning.curve_points({5: 150.0}, marks) == [5]  # nothing before the first mark: skipped
+    assert learning.curve_points({5: 150.0, 10: 260.0}, marks) == [5]  # the first mark had none: skipped
+    assert learning.curve_points({10: 260.0, 15: 300.0}, marks) == [10]  # none before any: the earliest
     assert learning.keep_latest_per_mark({}, marks) == set()
 
 
