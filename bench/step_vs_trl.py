@@ -10,7 +10,8 @@ work in both: `--prompts` GSM8K train prompts (verl's prompt, chat template), `-
 exactly `--response-length` tokens (ours: rollout.ignore_eos; TRL: min_new_tokens), verl's strict GSM8K
 reward, GRPO advantages, one optimizer step over all of them in micro-batches of `--micro-batch`, no KL
 term (so no reference model), bf16 autocast over fp32 weights, no gradient checkpointing. TRL generates
-with transformers (vLLM cannot be installed on the offline benchmark machine).
+with transformers (vLLM cannot be installed on the offline benchmark machine). `--set KEY=VALUE` passes
+more keys to our trainer only (e.g. actor_rollout_ref.rollout.name for another rollout engine).
 
 tokens/s/GPU = (prompt + response tokens of the step) / step seconds, verl's perf/throughput: ours
 reads it from its metrics, TRL's is measured here between on_step_begin and on_step_end (generation,
@@ -80,6 +81,7 @@ def ours(args: argparse.Namespace, model: Path, data: Path) -> dict:
         f"trainer.device={args.device}",
         f"trainer.log_dir={run}",
         f"trainer.default_local_dir={run / 'checkpoints'}",
+        *args.set,
     ]
     if (run / "metrics.jsonl").exists():
         (run / "metrics.jsonl").unlink()
@@ -195,6 +197,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "step_vs_trl")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available).")
     parser.add_argument("--smoke", action="store_true", help="CPU and a tiny model: a plumbing check.")
+    parser.add_argument(
+        "--set", action="append", default=[], help="Our trainer's key=value (e.g. rollout.name), repeatable."
+    )
     parser.add_argument("--arm", choices=["trl"], default=None, help=argparse.SUPPRESS)  # the TRL child
     args = parser.parse_args(argv)
     if args.smoke:
