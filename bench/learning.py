@@ -548,6 +548,7 @@ def run_arm(ctx: argparse.Namespace, arm: str, s: Shared) -> None:
     if ctx.device.startswith("cuda"):
         torch.cuda.empty_cache()
     points = evaluate_points(trained["points"], ctx, s)
+    shutil.rmtree(ctx.out / arm / "weights", ignore_errors=True)  # 0.5 GB a point; the scores are kept
     result = {
         "arm": arm,
         "budget_s": ctx.budget_s,
