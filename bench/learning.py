@@ -207,7 +207,15 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers will not save a model it read from GGUF; a plain one built from the same config and
+    # given the same (de-quantised) tensors saves like any checkpoint.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
     # The chat turn ends with <|im_end|>; generation must stop there in both arms and in evaluation.
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if isinstance(end, int) and end != tokenizer.unk_token_id:
