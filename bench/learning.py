@@ -81,6 +81,7 @@ class Shared:
     temperature: float
     max_prompt_length: int
     max_response_length: int
+    format_score: float  # verl's gsm8k format_score: the reward of a "#### N" with the wrong N
     seed: int
 
 
@@ -125,6 +126,7 @@ def shared_settings(recipe: dict) -> Shared:
         temperature=float(rollout.get("temperature", 1.0)),
         max_prompt_length=int(data["max_prompt_length"]),
         max_response_length=int(data["max_response_length"]),
+        format_score=float(recipe.get("reward_model", {}).get("format_score", 0.0)),
         seed=int(recipe.get("trainer", {}).get("seed", 1)),
     )
 
@@ -470,7 +472,10 @@ def train_trl(ctx: argparse.Namespace, s: Shared) -> dict:
 
     def strict_gsm8k(completions, ground_truth, **_) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [score_gsm8k(text, truth, "strict").score for text, truth in zip(texts, ground_truth)]
+        return [
+            score_gsm8k(text, truth, "strict", s.format_score).score
+            for text, truth in zip(texts, ground_truth)
+        ]
 
     cpu = ctx.device == "cpu"
     config = GRPOConfig(
