@@ -7,9 +7,9 @@
 Both arms start from the same weights (the SmolLM2-135M-Instruct GGUF, de-quantised once into a
 Hugging Face folder), train on GSM8K's train split with verl's prompt (the question plus "Let's think
 step by step and output the final answer after "####".", chat template applied) and verl's strict
-GSM8K reward (services.reward_server.scorers.gsm8k, 1 for the right "#### N", else 0), with the
-hyperparameters of trainer/configs/grpo_smollm2_gsm8k.yaml mapped onto GRPOConfig (prompts per step,
-n, mini-batches, micro-batches, lr, lengths, clip, no KL). TRL generates with its own transformers
+GSM8K reward (services.reward_server.scorers.gsm8k: 1 for the right "#### N", the recipe's format_score
+for a wrong N, else 0), with the hyperparameters of trainer/configs/grpo_smollm2_gsm8k.yaml mapped onto
+GRPOConfig (prompts per step, n, mini-batches, micro-batches, lr, lengths, clip, no KL). TRL generates with its own transformers
 path (vLLM, which its docs recommend for speed, cannot be installed on an offline GPU machine whose torch
 it would replace) and keeps its GPU defaults (bf16, loss "dapo" = token-mean, group-scaled rewards);
 gradient checkpointing is off for both, since memory is not the limit at 135M parameters.
