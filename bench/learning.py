@@ -9,10 +9,11 @@ Hugging Face folder), train on GSM8K's train split with verl's prompt (the quest
 step by step and output the final answer after "####".", chat template applied) and verl's strict
 GSM8K reward (services.reward_server.scorers.gsm8k: 1 for the right "#### N", the recipe's format_score
 for a wrong N, else 0), with the hyperparameters of trainer/configs/grpo_smollm2_gsm8k.yaml mapped onto
-GRPOConfig (prompts per step, n, mini-batches, micro-batches, lr, lengths, clip, no KL). TRL generates with its own transformers
-path (vLLM, which its docs recommend for speed, cannot be installed on an offline GPU machine whose torch
-it would replace) and keeps its GPU defaults (bf16, loss "dapo" = token-mean, group-scaled rewards);
-gradient checkpointing is off for both, since memory is not the limit at 135M parameters.
+GRPOConfig (prompts per step, n, mini-batches, micro-batches, lr, lengths, clip, no KL). TRL generates
+with its own transformers path (vLLM, which its docs recommend for speed, cannot be installed on an
+offline GPU machine whose torch it would replace) and keeps its GPU defaults (bf16, loss "dapo" =
+token-mean, group-scaled rewards); gradient checkpointing is off for both, since memory is not the
+limit at 135M parameters.
 
 The clock: each arm's training time is the sum of its optimizer-step times (generation, reward,
 update; TRL between on_step_begin and on_step_end, ours timing_s/step), so model loading, saving and
@@ -27,6 +28,7 @@ Stages (each re-runnable; `all` runs them in order):
   base      evaluate the base model                              -> base.json
   ours      train ours, then evaluate its points                 -> ours/result.json
   trl       train TRL, then evaluate its points                  -> trl/result.json
+  arms      ours and trl, each in its own process (at once with --gpus 0,1)
   report    summary.json and accuracy.png (accuracy vs training seconds, both arms)
 With --gpus 0,1 the two arms run at the same time, one GPU each (CUDA_VISIBLE_DEVICES); with one GPU,
 one after the other. See BENCHMARKS.md for results and bench/carry_model.sh for the offline GPU machine.
