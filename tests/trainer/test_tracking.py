@@ -1,5 +1,6 @@
 """Tracker backends (console, JSONL, TensorBoard, W&B offline, SwanLab offline) and verl's metric helpers."""
 
+import datetime
 import json
 import struct
 import sys
@@ -10,15 +11,20 @@ import pytest
 import torch
 
 from trainer.tracking import (
+    SUMMARY_FILE,
     Tracker,
+    backend_run,
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
     format_console_line,
     max_memory_allocated_gb,
+    memory_metrics,
     mfu,
     peak_flops_per_gpu,
+    progress_metrics,
     reduce_metrics,
+    timed,
     timer,
     training_flops,
 )
@@ -132,8 +138,22 @@ def read_leveldb_log(path, ident: bytes):
     return records
 
 
+def offline_run_start(folder) -> float:
+    """The start time (epoch seconds) W&B wrote into an offline run folder's name, to the second."""
+    stamp = folder.name.split("-")[2]  # offline-run-YYYYmmdd_HHMMSS-<id>, local time
+    return datetime.datetime.strptime(stamp, "%Y%m%d_%H%M%S").timestamp()
+
+
+def wait_for_the_clock_to_pass(moment: float) -> None:
+    """Return once time.time() >= moment: a condition on the clock, whatever the machine's speed."""
+    while time.time() < moment:
+        time.sleep(max(0.0, moment - time.time()))
+
+
 def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is an optional extra (rl-jobgroup[loggers])")
+
+    import wandb
     from wandb.proto import wandb_internal_pb2
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -143,13 +163,19 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, m
         tracker.log({"critic/score/mean": 0.5}, step=2)
         tracker.log_generations([{"input": "1+1?", "output": "2", "score": 1.0}], step=2)
         run_id = tracker.run_id
-    # W&B names an offline run's folder by the second it started: a resumed session in the same second
-    # would write into the first one's folder and clobber its log, which no real resume (a restart) does.
-    time.sleep(1.1)
+    # run.finish() only tells wandb-core the run is over; wandb-core closes (flushes) the run's log file
+    # after finish() has returned. teardown() waits for wandb-core to exit, so the files are complete.
+    # (Reading them right after finish() lost the last records whenever wandb-core lagged: a loaded box.)
+    wandb.teardown()
+    (first,) = (tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}")
+    # W&B names an offline run's folder by the second it started: a resumed session within that second
+    # would reuse the first one's folder and clobber its log, which no real resume (a restart) does.
+    wait_for_the_clock_to_pass(offline_run_start(first) + 1)
     with make_tracker(tmp_path, ["wandb"], run_id=run_id, start_step=2) as resumed:
         resumed.log({"critic/score/mean": 0.75}, step=3)
+    wandb.teardown()
     runs = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) >= 1  # both sessions write under the same run id
+    assert len(runs) == 2 and runs[0] == first  # both sessions wrote under the same run id
     history = {}
     for run in runs:
         for raw in read_leveldb_log(run / f"run-{run_id}.wandb", b":W&B"):
@@ -164,6 +190,37 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, m
     assert history[2]["critic/score/mean"] == 0.5 and history[3]["critic/score/mean"] == 0.75
     table_file = runs[0] / "files" / history[2]["val/generations/path"]  # the validation samples table
     assert json.loads(table_file.read_text())["data"] == [[2, "1+1?", "2", 1.0]]
+
+
+def test_user_run_ids_and_resume_modes_win(tmp_path, monkeypatch):
+    for var in ("WANDB_RUN_ID", "WANDB_RESUME", "SWANLAB_RUN_ID", "SWANLAB_RESUME"):
+        monkeypatch.delenv(var, raising=False)
+    assert backend_run("wandb", "ours") == ("ours", "allow")  # nothing set: our id, reopened on resume
+    monkeypatch.setenv("WANDB_RUN_ID", "theirs")
+    monkeypatch.setenv("WANDB_RESUME", "must")
+    monkeypatch.setenv("SWANLAB_RESUME", "never")
+    assert backend_run("wandb", "ours") == ("theirs", "must")
+    assert backend_run("swanlab", "ours") == ("ours", "never")  # each backend reads its own variables
+    monkeypatch.setenv("SWANLAB_RUN_ID", "swan")
+    assert backend_run("swanlab", "ours") == ("swan", "never")
+    # the tracker's own id (stored in checkpoints) is the user's only for a backend that is logged to
+    with make_tracker(tmp_path, ["jsonl"]) as plain:
+        assert plain.run_id not in ("theirs", "swan")
+
+
+def test_wandb_run_uses_the_users_run_id(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is an optional extra (rl-jobgroup[loggers])")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_RUN_ID", "userrun123")
+    monkeypatch.setenv("WANDB_RESUME", "allow")
+    config = {"actor_rollout_ref": {"rollout": {"name": "vllm", "engine": "hf"}}}
+    with make_tracker(tmp_path, ["wandb"], config=config) as tracker:
+        tracker.log({"critic/score/mean": 0.25}, step=1)
+    assert tracker.run_id == "userrun123"  # stored in checkpoints, so a resume reopens the same run
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*-userrun123"))
+    summary = json.loads((tmp_path / "run" / SUMMARY_FILE).read_text())
+    assert summary == {"rollout_engine": "hf", "rollout_engine_requested": "vllm"}
 
 
 def test_swanlab_offline_run_holds_the_metrics(tmp_path, monkeypatch):
@@ -323,10 +380,24 @@ def test_reduce_metrics_and_timer():
     assert 0.1 <= timings["gen"] < 2.0 and timings["reward"] < 1.0
 
 
+def test_verl_progress_memory_and_save_timing_metrics():
+    assert progress_metrics(12, 3) == {"training/global_step": 12, "training/epoch": 3}
+    memory = memory_metrics()
+    assert 0 < memory["perf/cpu_memory_used_gb"] < 1e4  # GiB, not bytes
+    if not torch.cuda.is_available():
+        assert set(memory) == {"perf/cpu_memory_used_gb"}
+    calls = []
+    timing = timed("save_checkpoint", calls.append, "step-3")
+    assert calls == ["step-3"] and list(timing) == ["timing_s/save_checkpoint"]
+    assert timing["timing_s/save_checkpoint"] >= 0
+
+
 @pytest.mark.gpu
 def test_gpu_peak_flops_and_peak_memory():
     block = torch.ones(1024, 1024, device="cuda")  # 4 MiB
     assert max_memory_allocated_gb() >= 4 / 1024
+    memory = memory_metrics()
+    assert memory["perf/max_memory_reserved_gb"] >= memory["perf/max_memory_allocated_gb"] >= 4 / 1024
     name = torch.cuda.get_device_name()
     if "H100" in name or "H200" in name:
         assert peak_flops_per_gpu() == peak_flops_per_gpu(name) in (989e12, 756e12)

@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     seed: int | None = None
+    ignore_eos: bool = False  # keep generating past the engine's eos ids (stop_token_ids still stop)
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,4 +84,8 @@ class RolloutEngine(Protocol):
 
     def resume_memory(self) -> None:
         """Undo release_memory before the next generate()."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the engine runs (threads, servers it started); the run is over."""
         ...

@@ -185,7 +185,10 @@ class HFRolloutEngine:
         unique, expand = shared_prefixes(rows)
         input_ids, attention_mask = left_pad([rows[i][1] for i in unique], self.pad_id, device)
         position_ids = positions_from_mask(attention_mask)
-        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=device)
+        eos = () if sampling.ignore_eos else self.eos_token_ids
+        stop_ids = torch.tensor(
+            sorted(set(eos) | set(sampling.stop_token_ids)), dtype=torch.long, device=device
+        )
         finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
         lengths = torch.full((len(rows),), sampling.max_new_tokens, dtype=torch.long, device=device)
         tokens, logprobs = [], []
@@ -276,3 +279,6 @@ class HFRolloutEngine:
 
     def resume_memory(self) -> None:
         """Nothing was released that generate() does not rebuild."""
+
+    def close(self) -> None:
+        """Nothing to stop (the engine owns no thread, process or server)."""

@@ -1,0 +1,565 @@
+"""Triton kernels of the GPU fast path. Importable without a GPU: `TRITON_INTERPRET=1` runs them on CPU
+tensors, which is how the CPU tests check them against the plain torch path they replace.
+
+decode_attention (flash-decoding): one program per (sequence, key-value head, split of the sequence).
+It loads the Hq/Hkv query heads that share the key-value head once, then streams its share of the
+sequence's own keys and values, positions [0, length) only, with an online softmax; a second kernel
+merges the splits. Splitting gives each program one or two blocks of keys: at rollout batch sizes the
+cost is latency (dependent loads), not bandwidth, so more, shorter programs finish sooner.
+
+sample: one program per row of bf16 logits, two passes over the vocabulary. The first keeps running
+sums of exp(logits / T) (all entries: the logsumexp for the logprob; entries above the top-k / top-p
+floor: the sampling mass) and the argmax; the second walks the cumulative kept mass to the point a
+uniform draw u picks (inverse CDF). No fp32 copy of the [B, V] logits is made, and one random number
+per row replaces a Gumbel noise per vocabulary entry. u is counter-based (Philox, keyed by a per-row
+seed), so a sequence draws the same u whatever batch it is in.
+
+add_rms_norm, rope_and_cache, silu_mul: the elementwise work between the matmuls of a layer, fused
+(transformers' order of roundings between them; each kernel computes in fp32 and rounds once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the plain torch path is used
+    triton = tl = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ATTENTION_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # bench/rollout.py --tune times others
+SAMPLE_CONFIG = {"BLOCK": 2048, "num_warps": 8}
+
+
+def triton_available(device: torch.device) -> bool:
+    """Compiled kernels need CUDA; the interpreter (TRITON_INTERPRET=1) runs them on CPU tensors."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or INTERPRETED
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_block(
+        q,
+        k_ptr,
+        v_ptr,
+        base,
+        start,
+        lo,
+        hi,
+        stride_kt,
+        sm_scale,
+        best,
+        total,
+        acc,
+        DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """Keys/values [start, start + BLOCK_N) ∩ [lo, hi) into each head's running (max, sum, acc)."""
+        dims = tl.arange(0, DIM)
+        pos = start + tl.arange(0, BLOCK_N)
+        visible = (pos >= lo) & (pos < hi)
+        offsets = base + pos[:, None] * stride_kt + dims[None, :]
+        k = tl.load(k_ptr + offsets, mask=visible[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(visible[None, :], scores * sm_scale, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        anchor = tl.where(new_best == float("-inf"), 0.0, new_best)  # an all-masked block stays NaN-free
+        rescale = tl.exp(best - anchor)
+        p = tl.exp(scores - anchor[:, None])
+        total = total * rescale + tl.sum(p, 1)
+        v = tl.load(v_ptr + offsets, mask=visible[:, None], other=0.0)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        return new_best, total, acc
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_stat_ptr,
+        slots_ptr,
+        lengths_ptr,
+        sm_scale,
+        stride_ks,
+        stride_kh,
+        stride_kt,
+        HQ: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        CONTEXT: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        length = tl.load(lengths_ptr + row).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, length)
+        group = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + group
+        head_ok = group < GROUP
+        dims = tl.arange(0, DIM)
+        q = tl.load(
+            q_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :], mask=head_ok[:, None], other=0.0
+        )
+        best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+        base = slot * stride_ks + kv_head * stride_kh
+        # Triton's CPU interpreter cannot loop to a bound loaded from memory: there, walk the whole
+        # context (masked to [lo, hi)); compiled, visit [lo, hi) only.
+        if INTERPRET:
+            for start in range(0, CONTEXT, BLOCK_N):
+                best, total, acc = _attend_block(
+                    q,
+                    k_ptr,
+                    v_ptr,
+                    base,
+                    start,
+                    lo,
+                    hi,
+                    stride_kt,
+                    sm_scale,
+                    best,
+                    total,
+                    acc,
+                    DIM,
+                    BLOCK_N,
+                    IEEE,
+                )
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                best, total, acc = _attend_block(
+                    q,
+                    k_ptr,
+                    v_ptr,
+                    base,
+                    start,
+                    lo,
+                    hi,
+                    stride_kt,
+                    sm_scale,
+                    best,
+                    total,
+                    acc,
+                    DIM,
+                    BLOCK_N,
+                    IEEE,
+                )
+        if SPLITS == 1:
+            out = acc / total[:, None]
+            target = out_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :]
+            tl.store(target, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        else:  # partials [B, Hq, SPLITS, D] and (max, sum) [B, Hq, SPLITS, 2], merged by the next kernel
+            part = (row * HQ + heads) * SPLITS + split
+            tl.store(part_acc_ptr + part[:, None] * DIM + dims[None, :], acc, mask=head_ok[:, None])
+            tl.store(part_stat_ptr + part * 2, best, mask=head_ok)
+            tl.store(part_stat_ptr + part * 2 + 1, total, mask=head_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_acc_ptr,
+        part_stat_ptr,
+        out_ptr,
+        HQ: tl.constexpr,
+        HQ_PAD: tl.constexpr,
+        DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, HQ_PAD)
+        ok = heads < HQ
+        dims = tl.arange(0, DIM)
+        top = tl.full([HQ_PAD], float("-inf"), tl.float32)
+        for split in tl.static_range(SPLITS):
+            part = (row * HQ + heads) * SPLITS + split
+            top = tl.maximum(top, tl.load(part_stat_ptr + part * 2, mask=ok, other=float("-inf")))
+        total = tl.zeros([HQ_PAD], tl.float32)
+        acc = tl.zeros([HQ_PAD, DIM], tl.float32)
+        for split in tl.static_range(SPLITS):
+            part = (row * HQ + heads) * SPLITS + split
+            weight = tl.exp(tl.load(part_stat_ptr + part * 2, mask=ok, other=float("-inf")) - top)
+            total += weight * tl.load(part_stat_ptr + part * 2 + 1, mask=ok, other=0.0)
+            acc += weight[:, None] * tl.load(
+                part_acc_ptr + part[:, None] * DIM + dims[None, :], mask=ok[:, None], other=0.0
+            )
+        out = acc / tl.where(ok, total, 1.0)[:, None]
+        target = out_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :]
+        tl.store(target, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+    @triton.jit
+    def _sample_kernel(
+        logits_ptr,
+        stride_row,
+        temperature_ptr,
+        seed_ptr,
+        floor_ptr,
+        slots_ptr,
+        token_ptr,
+        logprob_ptr,
+        last_token_ptr,
+        vocab: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_FLOOR: tl.constexpr,
+        ALL_GREEDY: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        temperature = tl.load(temperature_ptr + row)
+        greedy = temperature == 0.0
+        inv_t = tl.where(greedy, 1.0, 1.0 / temperature)
+        floor = float("-inf")
+        if HAS_FLOOR:
+            floor = tl.load(floor_ptr + row)
+        base = logits_ptr + row * stride_row
+        # pass 1, per lane: running max of z = logits / T, sum of exp(z - max) over all and over kept
+        # entries, and the argmax (lanes combine after the loop)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_all = tl.zeros([BLOCK], tl.float32)
+        lane_kept = tl.zeros([BLOCK], tl.float32)
+        lane_best = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            ok = idx < vocab
+            raw = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32)
+            z = raw * inv_t
+            new_max = tl.maximum(lane_max, z)
+            anchor = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(lane_max - anchor)
+            e = tl.exp(z - anchor)
+            lane_all = lane_all * rescale + e
+            lane_kept = lane_kept * rescale + tl.where(raw >= floor, e, 0.0)
+            lane_best = tl.where(z > lane_max, idx, lane_best)  # strict: the earliest index wins ties
+            lane_max = new_max
+        top = tl.max(lane_max, 0)
+        weight = tl.exp(lane_max - top)
+        lse = top + tl.log(tl.sum(lane_all * weight, 0))
+        token = tl.min(tl.where(lane_max == top, lane_best, vocab), 0)
+        if not ALL_GREEDY:
+            # pass 2: the first kept entry whose cumulative mass exceeds u * (total kept mass)
+            draws = tl.rand(tl.load(seed_ptr + row), tl.arange(0, 2))
+            target = tl.sum(tl.where(tl.arange(0, 2) == 0, draws, 0.0), 0) * tl.sum(lane_kept * weight, 0)
+            running = target * 0.0
+            sampled = token
+            for start in range(0, vocab, BLOCK):
+                idx = start + tl.arange(0, BLOCK)
+                raw = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+                mass = tl.where(raw >= floor, tl.exp(raw * inv_t - top), 0.0)
+                block_mass = tl.sum(mass, 0)
+                cumulative = running + tl.cumsum(mass, 0)
+                candidate = tl.min(tl.where((cumulative > target) & (mass > 0), idx, vocab), 0)
+                crossing = (running <= target) & (running + block_mass > target)
+                sampled = tl.where(crossing, candidate, sampled)
+                running = running + block_mass
+            token = tl.where(greedy, token, sampled)
+        chosen = tl.load(base + token).to(tl.float32) * inv_t
+        tl.store(token_ptr + row, token.to(tl.int64))
+        tl.store(logprob_ptr + row, chosen - lse)
+        tl.store(last_token_ptr + tl.load(slots_ptr + row), token.to(tl.int64))
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, residual_ptr, weight_ptr, out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr
+    ):
+        # transformers' order of roundings: residual + x rounded to the dtype, normalised in fp32,
+        # rounded, then scaled by the weight and rounded again
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < H
+        x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
+        if ADD:
+            total = x.to(tl.float32) + tl.load(residual_ptr + row * H + cols, mask=ok, other=0.0).to(
+                tl.float32
+            )
+            x = total.to(x.dtype)
+            tl.store(residual_ptr + row * H + cols, x, mask=ok)
+        wide = x.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(wide * wide, 0) / H + eps)
+        normed = (wide * scale).to(x.dtype).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * H + cols, (normed * weight).to(x.dtype), mask=ok)
+
+    @triton.jit
+    def _rope_cache_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        slots_ptr,
+        lengths_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_ks,
+        stride_kh,
+        stride_kt,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        DIM: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+    ):
+        # one program per token, all its heads: rotate q and k; q to its own tensor, k and v to the cache
+        row = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        half = tl.arange(0, DIM // 2)[None, :]
+        real = heads < HQ + 2 * HKV
+        position = (tl.load(lengths_ptr + row) - 1).to(tl.int64)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        source = qkv_ptr + row * (HQ + 2 * HKV) * DIM + heads * DIM + half
+        x1 = tl.load(source, mask=real, other=0.0).to(tl.float32)
+        x2 = tl.load(source + DIM // 2, mask=real, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + position * DIM + half).to(tl.float32)
+        sin = tl.load(sin_ptr + position * DIM + half).to(tl.float32)
+        rotate = heads < HQ + HKV
+        y1 = tl.where(rotate, x1 * cos - x2 * sin, x1).to(q_ptr.dtype.element_ty)
+        y2 = tl.where(rotate, x2 * cos + x1 * sin, x2).to(q_ptr.dtype.element_ty)
+        is_q = heads < HQ
+        is_k = (heads >= HQ) & rotate
+        is_v = (heads >= HQ + HKV) & real
+        q_target = q_ptr + row * HQ * DIM + heads * DIM + half
+        tl.store(q_target, y1, mask=is_q)
+        tl.store(q_target + DIM // 2, y2, mask=is_q)
+        cache = slot * stride_ks + position * stride_kt + half
+        k_target = k_cache_ptr + cache + (heads - HQ) * stride_kh
+        tl.store(k_target, y1, mask=is_k)
+        tl.store(k_target + DIM // 2, y2, mask=is_k)
+        v_target = v_cache_ptr + cache + (heads - HQ - HKV) * stride_kh
+        tl.store(v_target, y1, mask=is_v)
+        tl.store(v_target + DIM // 2, y2, mask=is_v)
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < INTER
+        gate = tl.load(gate_up_ptr + row * 2 * INTER + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * 2 * INTER + INTER + cols, mask=ok, other=0.0).to(tl.float32)
+        out = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + row * INTER + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def attention_splits(context: int) -> int:
+    """Splits per sequence: about one 128-position chunk per program, at most 8."""
+    return max(1, min(8, -(-context // 128)))
+
+
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, splits: int | None = None
+) -> Tensor:
+    """q [B, Hq, D] (contiguous); k/v cache [S, Hkv, Tmax, D]; slots, lengths [B] -> [B, Hq, D]."""
+    batch, heads, dim = q.shape
+    kv_heads, context = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    splits = splits or attention_splits(context)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    part_acc = part_stat = out  # unused with one split
+    if splits > 1:
+        part_acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
+        part_stat = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(batch, kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_stat,
+        slots,
+        lengths,
+        dim**-0.5,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HQ=heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        DIM=dim,
+        SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+        CONTEXT=context,
+        INTERPRET=INTERPRETED,
+        **ATTENTION_CONFIG,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(batch,)](
+            part_acc,
+            part_stat,
+            out,
+            HQ=heads,
+            HQ_PAD=triton.next_power_of_2(heads),
+            DIM=dim,
+            SPLITS=splits,
+            num_warps=4,
+        )
+    return out
+
+
+def fused_sample(
+    logits: Tensor,
+    temperatures: Tensor,
+    seeds: Tensor,
+    floors: Tensor | None,
+    slots: Tensor,
+    last_token: Tensor,
+    all_greedy: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """logits [B, V] (any float dtype) -> (tokens int64 [B], logprobs fp32 [B]).
+
+    Also records last_token[slots] = tokens (the next decode step's input). all_greedy: every
+    temperature is 0 (the caller knows; the sampling pass is skipped).
+    """
+    batch, vocab = logits.shape
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(batch,)](
+        logits,
+        logits.stride(0),
+        temperatures,
+        seeds,
+        floors if floors is not None else temperatures,
+        slots,
+        tokens,
+        logprobs,
+        last_token,
+        vocab,
+        HAS_FLOOR=floors is not None,
+        ALL_GREEDY=all_greedy,
+        BLOCK=min(SAMPLE_CONFIG["BLOCK"], triton.next_power_of_2(vocab)),
+        num_warps=SAMPLE_CONFIG["num_warps"],
+    )
+    return tokens, logprobs
+
+
+def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """rms_norm(residual + x) with residual updated in place (residual None: rms_norm(x)). x [B, H]."""
+    batch, hidden = x.shape
+    out = torch.empty_like(x)
+    _add_rms_norm_kernel[(batch,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        eps,
+        H=hidden,
+        BLOCK=triton.next_power_of_2(hidden),
+        ADD=residual is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def rope_and_cache(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slots: Tensor,
+    lengths: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    heads: int,
+    kv_heads: int,
+) -> Tensor:
+    """qkv [B, (Hq + 2 Hkv) D] -> RoPE'd q [B, Hq, D]; RoPE'd k and v go to the cache at lengths - 1."""
+    batch = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    q = torch.empty((batch, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_cache_kernel[(batch,)](
+        qkv,
+        cos,
+        sin,
+        slots,
+        lengths,
+        q,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HQ=heads,
+        HKV=kv_heads,
+        DIM=dim,
+        HEADS_PAD=triton.next_power_of_2(heads + 2 * kv_heads),
+        num_warps=2,
+    )
+    return q
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [B, 2I] -> silu(gate) * up [B, I]."""
+    batch, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((batch, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(batch, triton.cdiv(inter, block))](gate_up, out, INTER=inter, BLOCK=block, num_warps=4)
+    return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Compile and run every kernel once on small inputs against plain torch; None if all agree, else
+    what failed. The engine falls back to the plain path rather than decode with a broken kernel."""
+    from trainer.rollout.builtin.model import rms_norm, torch_decode_attention
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, weight = (torch.randn(s, generator=gen).to(device, dtype) for s in ((3, 64), (64,)))
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        if not torch.allclose(add_rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), atol=tol, rtol=tol):
+            return "add_rms_norm disagrees with torch"
+        k, v = (torch.randn(4, 2, 160, 16, generator=gen).to(device, dtype) for _ in range(2))
+        q = torch.randn(3, 4, 16, generator=gen).to(device, dtype)
+        slots, lengths = torch.tensor([0, 2, 3], device=device), torch.tensor([1, 70, 160], device=device)
+        expected = torch_decode_attention(q, k, v, slots, lengths)
+        for splits in (1, 2):
+            if not torch.allclose(
+                decode_attention(q, k, v, slots, lengths, splits), expected, atol=tol, rtol=tol
+            ):
+                return f"decode_attention ({splits} splits) disagrees with torch"
+        logits = torch.randn(3, 300, generator=gen).to(device, dtype)
+        temps = torch.tensor([0.0, 1.0, 0.5], device=device)
+        tokens, logprobs = fused_sample(
+            logits,
+            temps,
+            torch.arange(3, device=device),
+            None,
+            slots,
+            torch.zeros(4, dtype=torch.long, device=device),
+        )
+        if int(tokens[0]) != int(logits[0].float().argmax()):
+            return "fused_sample's greedy row is not the argmax"
+        scaled = logits.float() / torch.where(temps == 0, 1.0, temps)[:, None]
+        reference = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        if not torch.allclose(logprobs, reference, atol=1e-3):
+            return "fused_sample's logprobs disagree with torch"
+        qkv = torch.randn(3, 8 * 16, generator=gen).to(device, dtype)
+        table = torch.randn(160, 16, generator=gen).to(device, dtype)
+        rotated = rope_and_cache(qkv, table, table, slots, lengths, k, v, 4, 2)
+        if (
+            not torch.equal(v[slots, :, lengths - 1], qkv[:, 6 * 16 :].view(3, 2, 16))
+            or not rotated.isfinite().all()
+        ):
+            return "rope_and_cache did not write the cache"
+        silu_mul(torch.randn(3, 64, generator=gen).to(device, dtype))
+    except Exception as exc:  # noqa: BLE001 - any compile or launch failure means: do not use the kernels
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -1,0 +1,198 @@
+"""RolloutManager: the trainer's rollout engine (rollout/base.py's RolloutEngine) over a ReplicaPool.
+
+    prompts --one /generate per prompt (its n samples)--> least-loaded replica --> Rollouts, prompt order
+
+Each prompt is its own request, so a prompt whose samples finish early never waits on another's (and a
+future agent loop sends turns through the same `pool.generate`). The pool is async and lives on the
+manager's own event-loop thread: `generate()` is the blocking call the fit loop makes today, and
+`generate_async()` awaits the same work from any other event loop without blocking it.
+
+Weights: an in-process replica (LocalReplica) takes the policy's tensors directly; an HTTP replica
+(SGLang or the built-in server) loads a checkpoint the manager writes to `weights_dir`
+(/update_weights_from_disk, which SGLang and our server both implement).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import tempfile
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from trainer.rollout.base import Rollout, SamplingParams
+from trainer.rollout.pool import Replica, ReplicaPool
+from trainer.rollout.protocol import rollouts_from_outputs, wire_sampling
+
+T = TypeVar("T")
+
+
+def prompt_seed(seed: int, prompt_index: int) -> int:
+    """A distinct, reproducible seed per prompt of a seeded batch (same seed, same prompt: same samples)."""
+    mixed = np.random.SeedSequence([seed & (2**63 - 1), prompt_index]).generate_state(1, np.uint64)[0]
+    return int(mixed >> np.uint64(1))
+
+
+class RolloutManager:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        *,
+        pad_id: int,
+        weights_dir: str | None = None,
+        config_dir: str | None = None,
+        servers=None,
+    ) -> None:
+        """pad_id: what TrainBatch pads with. weights_dir: where checkpoints for HTTP replicas go
+        (default: a temporary folder, in /dev/shm when it exists). config_dir: the model folder whose
+        config.json (and tokenizer files) such a checkpoint needs when load_weights gets a state dict.
+        servers: launcher.RolloutServers this manager started; close() stops them."""
+        self.pool, self.pad_id = pool, pad_id
+        self.servers = servers
+        self.config_dir = config_dir
+        self._weights_dir = weights_dir
+        self._last_checkpoint: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-manager", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------------------------- RolloutEngine
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        return self._run(self._generate(prompt_ids, sampling))
+
+    async def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        return await asyncio.wrap_future(self._submit(self._generate(prompt_ids, sampling)))
+
+    def load_weights(self, state_dict_or_model) -> None:
+        """Send the policy's current weights to every replica."""
+        self._run(self._load_weights(state_dict_or_model))
+
+    def release_memory(self) -> None:
+        self._run(self.pool.broadcast(lambda r: r.release_memory_occupation()))
+
+    def resume_memory(self) -> None:
+        self._run(self.pool.broadcast(lambda r: r.resume_memory_occupation()))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self.pool.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+        if self.servers is not None:
+            self.servers.stop()
+        if self._weights_dir is None and self._last_checkpoint is not None:
+            shutil.rmtree(Path(self._last_checkpoint).parent, ignore_errors=True)
+
+    # -------------------------------------------------------------------------------- internals
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("RolloutManager's blocking calls cannot run on its own event-loop thread")
+        return self._submit(coro).result()
+
+    async def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        await self.pool.revive(self._resync)
+
+        async def one(index: int, prompt: list[int]) -> list[Rollout]:
+            seed = None if sampling.seed is None else prompt_seed(sampling.seed, index)
+            payload = {
+                "input_ids": list(prompt),
+                "sampling_params": wire_sampling(sampling, seed),
+                "return_logprob": True,
+            }
+            return rollouts_from_outputs(prompt, index, await self.pool.generate(payload, weight=sampling.n))
+
+        groups = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_ids)))
+        return [rollout for group in groups for rollout in group]
+
+    async def _load_weights(self, source) -> None:
+        state = source if isinstance(source, Mapping) else None
+        checkpoint: list[str] = []  # written at most once, only if some replica needs a file
+
+        async def send(replica: Replica) -> None:
+            if _in_process(replica):
+                await replica.update_weights_from_tensor(state if state is not None else source.state_dict())
+                return
+            if not checkpoint:
+                checkpoint.append(await asyncio.to_thread(self._write_checkpoint, source))
+            await replica.update_weights_from_disk(checkpoint[0])
+
+        await self.pool.update_weights(send)
+
+    async def _resync(self, replica: Replica) -> None:
+        if self._last_checkpoint is None or _in_process(replica):
+            raise RuntimeError(f"cannot re-send weights to {replica.name}")
+        await replica.update_weights_from_disk(self._last_checkpoint)
+
+    def _write_checkpoint(self, source) -> str:
+        """The weights as a transformers checkpoint folder (config + safetensors); returns its path."""
+        root = Path(self._weights_dir or tempfile.mkdtemp(prefix="rollout-weights-", dir=_fast_tmp()))
+        folder = root / "latest"
+        staging = root / "staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(source, Mapping):
+            from safetensors.torch import save_file
+
+            from trainer.rollout.client import host_tensors
+
+            if self.config_dir is None:
+                raise ValueError("load_weights(state_dict) for HTTP replicas needs config_dir")
+            staging.mkdir(parents=True)
+            for name in ("config.json", "generation_config.json"):
+                if (Path(self.config_dir) / name).exists():
+                    shutil.copy(Path(self.config_dir) / name, staging / name)
+            save_file(host_tensors(source), staging / "model.safetensors")
+        else:
+            source.save_pretrained(staging, safe_serialization=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+        if self._weights_dir is None:
+            self._weights_dir = str(root)
+        self._last_checkpoint = str(folder)
+        return str(folder)
+
+
+def _in_process(replica: Replica) -> bool:
+    from trainer.rollout.local import LocalReplica
+
+    return isinstance(replica, LocalReplica)
+
+
+def _fast_tmp() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+def local_manager(engine, tokenizer=None, *, pad_id: int, capacity: int | None = None) -> RolloutManager:
+    """A manager over the built-in engine in this process (the colocated trainer's setup)."""
+    from trainer.rollout.builtin.worker import EngineWorker
+    from trainer.rollout.local import LocalReplica
+
+    replica = LocalReplica(EngineWorker(engine), tokenizer, with_text=False)
+    return RolloutManager(ReplicaPool([replica], capacity=capacity), pad_id=pad_id)
+
+
+def http_manager(
+    urls: Sequence[str],
+    *,
+    pad_id: int,
+    config_dir: str | None = None,
+    token: str | None = None,
+    servers=None,
+    **pool_kwargs,
+) -> RolloutManager:
+    """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close())."""
+    from trainer.rollout.client import HttpReplica
+
+    pool = ReplicaPool([HttpReplica(u, token=token) for u in urls], **pool_kwargs)
+    return RolloutManager(pool, pad_id=pad_id, config_dir=config_dir, servers=servers)
