@@ -9,7 +9,9 @@ The model is randomly initialised with Qwen2.5-0.5B's shape (494M parameters, th
 work in both: `--prompts` GSM8K train prompts (verl's prompt, chat template), `--n` samples each of
 exactly `--response-length` tokens (ours: rollout.ignore_eos; TRL: min_new_tokens), verl's strict GSM8K
 reward, GRPO advantages, one optimizer step over all of them in micro-batches of `--micro-batch`, no KL
-term (so no reference model), bf16 autocast over fp32 weights, no gradient checkpointing. TRL generates
+term (so no reference model), bf16 autocast over fp32 weights, no gradient checkpointing. Ours generates
+with its built-in engine (rollout.name=builtin: continuous batching, CUDA graphs) and packs micro-batches
+without padding (model.use_remove_padding); TRL generates
 with transformers (vLLM cannot be installed on the offline benchmark machine). `--set KEY=VALUE` passes
 more keys to our trainer only (e.g. actor_rollout_ref.rollout.name for another rollout engine).
 
@@ -64,7 +66,9 @@ def ours(args: argparse.Namespace, model: Path, data: Path) -> dict:
         f"data.max_response_length={args.response_length}",
         f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "actor_rollout_ref.model.use_remove_padding=true",
         f"actor_rollout_ref.rollout.n={args.n}",
+        "actor_rollout_ref.rollout.name=builtin",
         "actor_rollout_ref.rollout.ignore_eos=true",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
