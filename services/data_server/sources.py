@@ -4,7 +4,7 @@ A dataset is named on the command line as `NAME=SOURCE`:
   gsm8k=hub:openai/gsm8k            the Hugging Face dataset (config `main`), through `datasets`
   gsm8k=/data/gsm8k                 a folder of {train,test}.jsonl or .parquet (GSM8K, verl, QA or MATH rows)
   nq=/data/nq_search/test.jsonl     one file: served as split `train`... unless named `test.*`
-  arith=synthetic-arith:medium      the built-in generator (easy | medium | hard)
+  arith=synthetic-arith:medium      the built-in generator (easy | medium | hard | bare)
 Row kinds are recognised by their fields: verl (`prompt`, `reward_model`), QA (`question`,
 `golden_answers`), MATH (`problem`, `solution`), GSM8K (`question`, `answer`).
 """
@@ -75,10 +75,17 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def gsm8k_row(question: str, answer: str, split: str, index: int, data_source: str = GSM8K_SOURCE) -> dict:
+def gsm8k_row(
+    question: str,
+    answer: str,
+    split: str,
+    index: int,
+    data_source: str = GSM8K_SOURCE,
+    instruction: str = GSM8K_INSTRUCTION,
+) -> dict:
     return {
         "data_source": data_source,
-        "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
+        "prompt": [{"role": "user", "content": question + " " + instruction}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": gsm8k_solution(answer)},
         "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
@@ -128,7 +135,8 @@ def synthetic_rows(seed: int, split: str, size: int, difficulty: str) -> list[di
     rows = []
     for index in range(size):
         problem = make_problem(seed, split, index, difficulty)  # type: ignore[arg-type]
-        rows.append(gsm8k_row(problem.question, problem.answer, split, index, data_source=SYNTHETIC_SOURCE))
+        instruction = problem.instruction or GSM8K_INSTRUCTION
+        rows.append(gsm8k_row(problem.question, problem.answer, split, index, SYNTHETIC_SOURCE, instruction))
         rows[-1]["extra_info"]["difficulty"] = difficulty
     return rows
 
