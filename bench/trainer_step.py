@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 def prepare(out: Path, gsm8k: Path, small: bool) -> tuple[Path, Path]:
     from services.data_server.export import write_verl_parquet
     from services.data_server.sources import gsm8k_row, read_records
-    from trainer.tiny import make_tiny_model, qwen25_05b_config
+    from testing.tiny import make_tiny_model, qwen25_05b_config
 
     model = out / "model"
     if not (model / "config.json").exists():

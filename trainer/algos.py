@@ -12,6 +12,9 @@ Advantage estimators (all computed without gradient; they are constants for the 
 - grpo (DeepSeekMath, Shao et al. 2024): outcome reward only. Advantage = (score - group mean) /
   (group std + eps), the same value on every response token. The std is the unbiased (n - 1) one, as
   in verl. A group of one gets mean 0 and std 1 (verl), so its advantage is its raw score.
+  Departure from verl: a group whose scores are all equal gets advantage exactly 0. verl (and a plain
+  float mean) can miss equal scores by a rounding step, which the division by std + 1e-6 blows up:
+  six fp32 scores of 0.3 got +0.029 each. `group_stats` snaps such a group's mean to its score.
   `norm_by_std=False` is Dr. GRPO (Liu et al. 2025): dividing by the std up-weights questions that are
   almost always right or always wrong; the other half of Dr. GRPO is loss_agg_mode
   "seq-mean-token-sum-norm".
@@ -24,6 +27,12 @@ Advantage estimators (all computed without gradient; they are constants for the 
   in the middle of a response verl's reset would cut the final reward off from the earlier tokens.
 - reinforce_plus_plus_baseline: the group mean is subtracted from the score (GRPO without the std),
   then the result is whitened over all response tokens of the batch (a batch std, not a group std).
+- Which scores enter a group's statistics (grpo, rloo, reinforce_plus_plus_baseline): every response's
+  own score, also that of a response with no loss tokens (all tool output, or masked out), as in verl.
+  It is still a sample of the policy's reward on that prompt, so dropping it (or counting it as 0)
+  would bias the baseline; it gets no advantage, having no token to put it on.
+  With the KL penalty in the reward, a response's outcome is its score minus its KL summed over its
+  loss tokens (verl's token_level_rewards.sum(-1)).
 - gae (Schulman et al. 2016): GAE over response tokens; masked positions are skipped (their value and
   TD error do not enter the recursion), as verl. Returns = advantages + values before whitening (the
   critic's targets); the advantages are then whitened over the batch. Value clipping is `value_loss`.
@@ -44,13 +53,18 @@ Aggregation (`aggregate_loss`) of a [B, T] loss matrix:
   seq-mean-token-sum       sum_i sum_t(loss * mask) / num_seqs
   seq-mean-token-mean      sum_i [sum_t(loss * mask) / tokens_i] / num_seqs
   seq-mean-token-sum-norm  sum_i [sum_t(loss * mask) / max_response_len] / num_seqs   (Dr. GRPO)
-Beyond verl: num_tokens / num_seqs may be the GLOBAL counts of the whole mini-batch. Every mode is then
-a plain sum over sequences divided by a constant, so the losses (and gradients) of micro-batches add up
-to exactly the mini-batch's: micro-batch 1 x accumulation 8 == 8 x 1, whatever the padding of each
-micro-batch. With data parallelism where gradients are averaged over W ranks, scale the loss by W.
+num_tokens counts the loss tokens; num_seqs counts the sequences with at least one loss token, as verl's
+agg_loss does: a response whose tokens are all masked has nothing to train on and must not dilute the
+mean of the others (`count_loss_sequences`). seq-mean-token-sum-norm divides by num_seqs as Dr. GRPO
+writes it (1/G); verl's agg_loss omits that and divides by the number of micro-batches instead.
+Beyond verl: num_tokens / num_seqs may be the GLOBAL counts of the whole mini-batch (verl's legacy
+worker counts each micro-batch's own rows). Every mode is then a plain sum over sequences divided by a
+constant, so the losses (and gradients) of micro-batches add up to exactly the mini-batch's:
+micro-batch 1 x accumulation 8 == 8 x 1, whatever the padding of each micro-batch. With data
+parallelism where gradients are averaged over W ranks, scale the loss by W.
 
-DAPO extras: `zero_variance_groups` marks the groups that dynamic sampling drops (all scores equal, so
-every GRPO advantage is 0); `overlong_penalty` is the soft overlong punishment added to the score.
+DAPO extra: `overlong_penalty` is the soft overlong punishment added to the score. (Dynamic sampling,
+which drops the groups whose scores are all equal, filters whole prompt groups in trainer/loop.py.)
 """
 
 from __future__ import annotations
@@ -127,14 +141,27 @@ def _check_outcome_inputs(scores: Tensor, group_ids: Tensor, response_mask: Tens
         raise ValueError(f"response_mask must be [B={scores.shape[0]}, T]; got {tuple(response_mask.shape)}")
 
 
+def _group_min_max(scores: Tensor, group_index: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
+    """Each group's smallest and largest score. scores, group_index [B] -> ([G], [G])."""
+    empty = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    group_min = empty.scatter_reduce(0, group_index, scores, reduce="amin", include_self=False)
+    group_max = empty.scatter_reduce(0, group_index, scores, reduce="amax", include_self=False)
+    return group_min, group_max
+
+
 def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per sample, the mean, unbiased std and size of its group.
 
-    scores [B] float, group_ids [B] int -> (mean [B], std [B], size [B] int64). A group of one has std 0.
+    scores [B] float, group_ids [B] int -> (mean [B], std [B], size [B] int64). A group of one has std 0,
+    and so has a group of equal scores, exactly (see below).
     """
     _, group_index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     sizes = counts.to(scores.dtype)
     means = torch.zeros_like(sizes).index_add_(0, group_index, scores) / sizes
+    # Equal scores must give deviations of exactly 0. Their float mean can miss them by a rounding step
+    # (six fp32 0.3s average to 0.3 - 3e-8), and GRPO's / (std + 1e-6) would blow that up to 0.03.
+    group_min, group_max = _group_min_max(scores, group_index, counts.shape[0])
+    means = torch.where(group_min == group_max, group_max, means)
     squared_deviations = (scores - means[group_index]) ** 2
     sums_of_squares = torch.zeros_like(sizes).index_add_(0, group_index, squared_deviations)
     stds = (sums_of_squares / (sizes - 1).clamp(min=1)).sqrt()
@@ -305,6 +332,11 @@ def apply_kl_in_reward(
 # -------------------------------------------------------------------------------------- aggregation
 
 
+def count_loss_sequences(mask: Tensor) -> Tensor:
+    """The sequences with at least one loss token: the seq-mean-* modes' num_seqs. mask [B, T] -> scalar."""
+    return (mask.sum(dim=-1) > 0).sum()
+
+
 def _check_denominator(name: str, value: float | Tensor | None) -> None:
     if isinstance(value, (int, float)) and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
@@ -322,8 +354,9 @@ def aggregate_loss(
     """Reduce a per-token loss [B, T] to a scalar (see the module docstring for the four modes).
 
     num_tokens / num_seqs: the GLOBAL counts of the mini-batch this micro-batch belongs to; None uses
-    this batch's own (mask.sum() / B). max_response_len: the constant of seq-mean-token-sum-norm;
-    None uses T, which is only right when every micro-batch is padded to the same length.
+    this batch's own (mask.sum() / count_loss_sequences(mask)). max_response_len: the constant of
+    seq-mean-token-sum-norm; None uses T, which is only right when every micro-batch is padded to the
+    same length.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
@@ -346,7 +379,9 @@ def aggregate_loss(
     elif mode == "seq-mean-token-sum-norm":
         _check_denominator("max_response_len", max_response_len)
         seq_losses = seq_losses / (loss_mat.shape[-1] if max_response_len is None else max_response_len)
-    return seq_losses.sum() / (max(loss_mat.shape[0], 1) if num_seqs is None else num_seqs)
+    if num_seqs is None:
+        num_seqs = count_loss_sequences(mask).clamp(min=1)  # no loss token at all: the sum is 0 anyway
+    return seq_losses.sum() / num_seqs
 
 
 # ----------------------------------------------------------------------------------------- losses
@@ -448,20 +483,6 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------- DAPO
-
-
-def zero_variance_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
-    """True for samples whose group (of 2 or more) has all-equal scores. scores, group_ids [B] -> bool [B].
-
-    DAPO's dynamic sampling drops these groups (every GRPO advantage in them is 0) and samples more
-    prompts to refill the batch. A group of one is kept, as verl does.
-    """
-    _, group_index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    empty = torch.zeros(counts.shape[0], dtype=scores.dtype, device=scores.device)
-    group_max = empty.scatter_reduce(0, group_index, scores, reduce="amax", include_self=False)
-    group_min = empty.scatter_reduce(0, group_index, scores, reduce="amin", include_self=False)
-    zero_variance = (group_max == group_min) & (counts > 1)
-    return zero_variance[group_index]
 
 
 def overlong_penalty(

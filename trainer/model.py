@@ -1,7 +1,7 @@
 """Load the policy, the critic, the frozen reference and the tokenizer.
 
 `path` (actor_rollout_ref.model.path / critic.model.path) may be
-- a local folder with config + safetensors + tokenizer (what `trainer.tiny.make_tiny_model` writes),
+- a local folder with config + safetensors + tokenizer (what `testing.tiny.make_tiny_model` writes),
 - a local GGUF file (`.../model.Q4_1.gguf`; transformers de-quantises it to float, needs `gguf`),
 - a hub id (`Qwen/Qwen2.5-0.5B-Instruct`), or a hub GGUF as `org/repo/file.gguf`.
 Remote code runs only when `trust_remote_code=True` is asked for.

@@ -4,7 +4,8 @@
 - resume: 4 steps straight == 2 steps, stop, resume, 2 steps (bit-identical parameters);
 - outage: the reward-server killed and restarted mid-run -> the run goes on, no batch lost or repeated;
   killed for good -> a clear error and a usable last checkpoint;
-- verl's two seed commands run as written (small model and sizes substituted).
+- verl's two seed commands run as written (small model and sizes substituted);
+- the KL penalty in the reward with an exactly on-policy update (one mini-batch, one epoch).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from services.data_server.sources import gsm8k_row
 from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
 from tests.trainer.test_config import GRPO_QWEN3, PPO_QUICKSTART, argv_of, small
 from trainer.checkpoint import load_train_state
-from trainer.tiny import make_tiny_model
+from testing.tiny import make_tiny_model
 
 # Every answer is 7: a policy that ends its response with the digit 7 scores 1 (gsm8k, flexible).
 # A random char-level model does so ~3% of the time, so GRPO has a signal from the first step.
@@ -195,6 +196,33 @@ def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
         == load_train_state(straight / "ckpt/global_step_4").data_cursor
     )
     assert len({m.get("step") for m in metrics_of(split)}) == 4
+
+
+def test_kl_in_reward_with_an_exactly_on_policy_update_runs(tiny_model, seven_data, tmp_path):
+    # One mini-batch and one epoch: the update may skip the old-logprob pass, but the KL penalty in the
+    # reward is taken against those logprobs, so the step must compute them (this crashed at step 1).
+    train(
+        common_args(tiny_model, tmp_path, 2)
+        + [
+            f"data.train_files={seven_data / 'parquet/train.parquet'}",
+            "reward_model.mode=local",
+            "trainer.save_freq=-1",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_epochs=1",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_penalty=abs",  # |log pi - log pi_ref|: no cancelling of signs, as k1 has
+            "algorithm.kl_ctrl.kl_coef=0.1",
+        ]
+    )
+    steps = [m for m in metrics_of(tmp_path) if "critic/score/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all("timing_s/old_log_prob" in m and "timing_s/ref" in m for m in steps)
+    # step 1: the policy is still the reference, and the old logprobs are computed exactly as the
+    # reference's, so the penalty is 0 (step 2's depends on how far the first update moved)
+    assert steps[0]["actor/reward_kl_penalty"] < 1e-6
+    assert all(m["actor/reward_kl_penalty_coeff"] == 0.1 for m in steps)
 
 
 def server_args(data_url: str, reward_port: int) -> list[str]:

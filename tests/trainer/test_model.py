@@ -20,7 +20,7 @@ from trainer.model import (
     resolve_source,
 )
 from trainer.rollout import HFRolloutEngine, SamplingParams
-from trainer.tiny import CHAR_ALPHABET, char_tokenizer, make_tiny_model, qwen25_05b_config
+from testing.tiny import CHAR_ALPHABET, char_tokenizer, make_tiny_model, qwen25_05b_config
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 from tests.helpers import ROOT
 from trainer import export, report
 from trainer.checkpoint import CheckpointError, TrainState, save_checkpoint
-from trainer.tiny import char_tokenizer, tiny_qwen2_config
+from testing.tiny import char_tokenizer, tiny_qwen2_config
 from trainer.tracking import Tracker
 
 # ------------------------------------------------------------------------------------------- report

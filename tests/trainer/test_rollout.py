@@ -11,8 +11,8 @@ from trainer.batch import TrainBatch
 from trainer.model import load_policy, load_tokenizer
 from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
 from trainer.rollout.hf_engine import filter_top_k_top_p
-from trainer.tiny import make_tiny_model
-from trainer.workers.actor import response_logprobs
+from testing.tiny import make_tiny_model
+from trainer.workers.logprobs import response_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Tracker backends (console, JSONL, TensorBoard, W&B offline, SwanLab offline) and verl's metric helpers."""
 
+import datetime
 import json
 import struct
 import sys
@@ -132,8 +133,22 @@ def read_leveldb_log(path, ident: bytes):
     return records
 
 
+def offline_run_start(folder) -> float:
+    """The start time (epoch seconds) W&B wrote into an offline run folder's name, to the second."""
+    stamp = folder.name.split("-")[2]  # offline-run-YYYYmmdd_HHMMSS-<id>, local time
+    return datetime.datetime.strptime(stamp, "%Y%m%d_%H%M%S").timestamp()
+
+
+def wait_for_the_clock_to_pass(moment: float) -> None:
+    """Return once time.time() >= moment: a condition on the clock, whatever the machine's speed."""
+    while time.time() < moment:
+        time.sleep(max(0.0, moment - time.time()))
+
+
 def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is an optional extra (rl-jobgroup[loggers])")
+
+    import wandb
     from wandb.proto import wandb_internal_pb2
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -143,13 +158,19 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, m
         tracker.log({"critic/score/mean": 0.5}, step=2)
         tracker.log_generations([{"input": "1+1?", "output": "2", "score": 1.0}], step=2)
         run_id = tracker.run_id
-    # W&B names an offline run's folder by the second it started: a resumed session in the same second
-    # would write into the first one's folder and clobber its log, which no real resume (a restart) does.
-    time.sleep(1.1)
+    # run.finish() only tells wandb-core the run is over; wandb-core closes (flushes) the run's log file
+    # after finish() has returned. teardown() waits for wandb-core to exit, so the files are complete.
+    # (Reading them right after finish() lost the last records whenever wandb-core lagged: a loaded box.)
+    wandb.teardown()
+    (first,) = (tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}")
+    # W&B names an offline run's folder by the second it started: a resumed session within that second
+    # would reuse the first one's folder and clobber its log, which no real resume (a restart) does.
+    wait_for_the_clock_to_pass(offline_run_start(first) + 1)
     with make_tracker(tmp_path, ["wandb"], run_id=run_id, start_step=2) as resumed:
         resumed.log({"critic/score/mean": 0.75}, step=3)
+    wandb.teardown()
     runs = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) >= 1  # both sessions write under the same run id
+    assert len(runs) == 2 and runs[0] == first  # both sessions wrote under the same run id
     history = {}
     for run in runs:
         for raw in read_leveldb_log(run / f"run-{run_id}.wandb", b":W&B"):

@@ -10,17 +10,11 @@ import torch
 from trainer.batch import TrainBatch
 from trainer.model import is_gradient_checkpointing, load_critic, load_policy, load_reference
 from trainer.rollout.base import Rollout
-from trainer.tiny import make_tiny_model
-from trainer.workers.actor import (
-    OptimizerSettings,
-    Policy,
-    PolicyLossSettings,
-    clip_and_step,
-    is_on_policy,
-    lr_multiplier,
-    response_logprobs,
-)
+from testing.tiny import make_tiny_model
+from trainer.workers.actor import Policy, PolicyLossSettings, is_on_policy
+from trainer.workers.common import OptimizerSettings, UpdateSettings, clip_and_step, lr_multiplier
 from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.logprobs import response_logprobs
 from trainer.workers.reference import Reference
 
 VOCAB = 100  # the char tokenizer
@@ -69,6 +63,28 @@ def loss_settings(**overrides):
         "kl_loss_type": "low_var_kl",
     }
     return PolicyLossSettings(**{**settings, **overrides})
+
+
+def sizes(mini=8, micro=8, epochs=1):
+    return UpdateSettings(mini_batch_size=mini, micro_batch_size=micro, ppo_epochs=epochs)
+
+
+def policy_of(model, *, mini=8, micro=8, epochs=1, loss=None, logprob_micro=None, **optim_overrides):
+    """A Policy built once with its settings, as trainer/run.py builds it."""
+    return Policy(
+        model,
+        optim(**optim_overrides),
+        sizes(mini, micro, epochs),
+        loss or loss_settings(),
+        log_prob_micro_batch_size=logprob_micro,
+    )
+
+
+def critic_of(model, *, mini=8, micro=8, loss=None, forward_micro=None, **optim_overrides):
+    loss = loss or ValueLossSettings(cliprange_value=0.5, loss_agg_mode="token-mean")
+    return Critic(
+        model, optim(**optim_overrides), sizes(mini, micro), loss, forward_micro_batch_size=forward_micro
+    )
 
 
 def make_batch(batch_size=8, seed=0, max_prompt=7, max_response=9) -> TrainBatch:
@@ -166,14 +182,13 @@ def test_chunked_gradients_through_checkpointed_chunks_equal_naive(base_model):
 
 def test_compute_logprobs_is_the_same_for_any_micro_batch_size_and_reference_matches_at_start(base_model):
     batch = make_batch()
-    policy = Policy(fresh(base_model), optim())
-    whole = policy.compute_logprobs(batch, micro_batch_size=8, with_entropy=True)
+    whole = policy_of(fresh(base_model), logprob_micro=8).compute_logprobs(batch, with_entropy=True)
     for micro in (1, 3):  # trimmed micro-batches of different padding
-        split = policy.compute_logprobs(batch, micro_batch_size=micro, with_entropy=True)
+        split = policy_of(fresh(base_model), logprob_micro=micro).compute_logprobs(batch, with_entropy=True)
         torch.testing.assert_close(split.logprobs, whole.logprobs, rtol=0, atol=1e-5)
         torch.testing.assert_close(split.entropy, whole.entropy, rtol=0, atol=1e-5)
-    reference = Reference(load_reference_from(base_model))
-    torch.testing.assert_close(reference.compute_logprobs(batch, 4), whole.logprobs, rtol=0, atol=1e-5)
+    reference = Reference(load_reference_from(base_model), micro_batch_size=4)
+    torch.testing.assert_close(reference.compute_logprobs(batch), whole.logprobs, rtol=0, atol=1e-5)
     assert not any(p.requires_grad for p in reference.model.parameters())
 
 
@@ -193,8 +208,8 @@ def test_micro_batch_1_x_8_gives_the_same_update_as_8_x_1(base_model, loss_agg_m
     loss = loss_settings(loss_agg_mode=loss_agg_mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
     results = {}
     for micro in (1, 8):
-        policy = Policy(fresh(base_model), optim(lr=1e-3))
-        metrics = policy.update(batch, mini_batch_size=8, micro_batch_size=micro, ppo_epochs=1, loss=loss)
+        policy = policy_of(fresh(base_model), mini=8, micro=micro, loss=loss, lr=1e-3)
+        metrics = policy.update(batch)
         results[micro] = (flat_params(policy.model), metrics)
     start = flat_params(base_model)
     delta_1, delta_8 = results[1][0] - start, results[8][0] - start
@@ -208,46 +223,52 @@ def test_micro_batch_1_x_8_gives_the_same_update_as_8_x_1(base_model, loss_agg_m
     assert 0 < results[8][1]["actor/pg_clipfrac"] < 1  # the clip was active on some tokens
 
 
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_response_without_loss_tokens_weighs_nothing_in_the_seq_mean(base_model, loss_agg_mode):
+    # Row 3 loses every loss token (all tool output, say). Like verl, the seq-mean counts only rows with
+    # loss tokens, so the update equals the update without that row: the same pg_loss and parameters.
+    # Counting it would scale pg_loss by 7/8 (the control below).
+    batch = with_training_fields(make_batch(), base_model)
+    mask = batch.response_mask.clone()
+    mask[3] = 0
+    masked = batch.with_fields(response_mask=mask, advantages=batch.advantages * mask)
+    without = batch.select([row for row in range(8) if row != 3])
+    loss = loss_settings(loss_agg_mode=loss_agg_mode, use_kl_loss=True, kl_loss_coef=0.1)
+    results = {}
+    for name, rows, mini in (("masked", masked, 8), ("without", without, 7)):
+        policy = policy_of(fresh(base_model), mini=mini, micro=3, loss=loss)
+        results[name] = (policy.update(rows), flat_params(policy.model))
+    (metrics, params), (expected, expected_params) = results["masked"], results["without"]
+    for name in ("actor/pg_loss", "actor/kl_loss"):
+        assert metrics[name] == pytest.approx(expected[name], rel=1e-5), name
+    assert abs(7 / 8 * expected["actor/pg_loss"] - metrics["actor/pg_loss"]) > 1e-4
+    start = flat_params(base_model)
+    assert (params - expected_params).norm() / (expected_params - start).norm() < 1e-4
+
+
 def test_on_policy_update_without_old_logprobs_equals_update_with_them(base_model):
     batch = with_training_fields(make_batch(), base_model)
     assert is_on_policy(8, mini_batch_size=8, ppo_epochs=1)
     assert not is_on_policy(8, mini_batch_size=4, ppo_epochs=1) and not is_on_policy(8, 8, ppo_epochs=2)
-    explicit = Policy(fresh(base_model), optim())
-    old = explicit.compute_logprobs(batch, micro_batch_size=8).logprobs
-    metrics = explicit.update(
-        batch.with_fields(old_logprobs=old),
-        mini_batch_size=8,
-        micro_batch_size=4,
-        ppo_epochs=1,
-        loss=loss_settings(),
-    )
-    skipped = Policy(fresh(base_model), optim())
-    metrics_skipped = skipped.update(
-        batch.with_fields(old_logprobs=None),
-        mini_batch_size=8,
-        micro_batch_size=4,
-        ppo_epochs=1,
-        loss=loss_settings(),
-    )
+    explicit = policy_of(fresh(base_model), mini=8, micro=4, logprob_micro=8)
+    old = explicit.compute_logprobs(batch).logprobs
+    metrics = explicit.update(batch.with_fields(old_logprobs=old))
+    skipped = policy_of(fresh(base_model), mini=8, micro=4)
+    assert skipped.is_on_policy(8) and not skipped.is_on_policy(9)
+    metrics_skipped = skipped.update(batch.with_fields(old_logprobs=None))
     torch.testing.assert_close(flat_params(skipped.model), flat_params(explicit.model), rtol=0, atol=1e-6)
     assert metrics_skipped["actor/ppo_kl"] == 0 and metrics_skipped["actor/pg_clipfrac"] == 0
     assert abs(metrics["actor/ppo_kl"]) < 1e-6
     with pytest.raises(ValueError, match="on-policy"):
-        skipped.update(
-            batch.with_fields(old_logprobs=None),
-            mini_batch_size=4,
-            micro_batch_size=4,
-            ppo_epochs=1,
-            loss=loss_settings(),
-        )
+        policy_of(fresh(base_model), mini=4, micro=4).update(batch.with_fields(old_logprobs=None))
 
 
 def test_gradient_checkpointing_gives_the_same_update(model_dir, base_model):
     batch = with_training_fields(make_batch(), base_model)
     params = []
     for checkpointing in (False, True):
-        policy = Policy(load_policy(str(model_dir), gradient_checkpointing=checkpointing), optim())
-        policy.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())
+        policy = policy_of(load_policy(str(model_dir), gradient_checkpointing=checkpointing), mini=4, micro=2)
+        policy.update(batch)
         params.append(flat_params(policy.model))
     assert is_gradient_checkpointing(policy.model)
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-6)
@@ -260,16 +281,14 @@ def test_ppo_update_raises_positive_advantage_tokens_and_lowers_negative_ones(ba
     batch = make_batch(seed=4)
     advantages = torch.tensor([1.0, -1.0] * 4)[:, None] * batch.response_mask
     batch = batch.with_fields(advantages=advantages)
-    policy = Policy(fresh(base_model), optim(lr=3e-3))
-    before = policy.compute_logprobs(batch, 8).logprobs
+    policy = policy_of(fresh(base_model), mini=4, micro=2, logprob_micro=8, lr=3e-3)
+    before = policy.compute_logprobs(batch).logprobs
     batch = batch.with_fields(old_logprobs=before)
     losses = []
     for _ in range(3):  # 3 updates x 2 mini-batches = 6 optimizer steps on the same rollouts
-        metrics = policy.update(
-            batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss_settings()
-        )
+        metrics = policy.update(batch)
         losses.append(metrics["actor/pg_loss"])
-    after = policy.compute_logprobs(batch, 8).logprobs
+    after = policy.compute_logprobs(batch).logprobs
     change = ((after - before) * batch.response_mask).sum(-1) / batch.response_mask.sum(-1)
     assert (change[0::2] > 0.05).all(), change  # positive advantage: more likely
     assert (change[1::2] < -0.05).all(), change  # negative advantage: less likely
@@ -288,32 +307,32 @@ def test_ppo_update_raises_positive_advantage_tokens_and_lowers_negative_ones(ba
 
 def test_kl_loss_pulls_the_policy_back_toward_the_reference(base_model):
     batch = make_batch(seed=6)
-    policy = Policy(fresh(base_model), optim(lr=3e-3))
-    ref_logprobs = policy.compute_logprobs(batch, 8).logprobs
+    loss = loss_settings(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1")
+    policy = policy_of(fresh(base_model), loss=loss, lr=3e-3)
+    ref_logprobs = policy.compute_logprobs(batch).logprobs
     shifted = ref_logprobs - 0.5 * batch.response_mask  # a reference that found these tokens less likely
     batch = batch.with_fields(advantages=torch.zeros_like(ref_logprobs), ref_logprobs=shifted)
-    loss = loss_settings(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k1")
-    first = policy.update(batch, mini_batch_size=8, micro_batch_size=8, ppo_epochs=1, loss=loss)
+    first = policy.update(batch)
     # k1 = logprob - ref = 0.5 on every token: token-mean 0.5 exactly
     assert first["actor/kl_loss"] == pytest.approx(0.5, abs=1e-5)
     for _ in range(4):
-        last = policy.update(batch, mini_batch_size=8, micro_batch_size=8, ppo_epochs=1, loss=loss)
+        last = policy.update(batch)
     assert last["actor/kl_loss"] < 0.5 - 0.05
 
 
 def test_critic_update_reduces_value_loss(model_dir):
-    critic = Critic(load_critic(str(model_dir)), optim(lr=3e-3))
+    critic = critic_of(load_critic(str(model_dir)), mini=4, micro=2, forward_micro=3, lr=3e-3)
     batch = make_batch()
-    values = critic.compute_values(batch, micro_batch_size=3)
+    values = critic.compute_values(batch)
     real = batch.attention_mask[:, batch.prompt_width :].bool()
     assert values.shape == batch.response_mask.shape and (values[~real] == 0).all()
-    torch.testing.assert_close(values, critic.compute_values(batch, micro_batch_size=8), rtol=0, atol=1e-5)
+    whole = critic_of(critic.model, forward_micro=8).compute_values(batch)
+    torch.testing.assert_close(values, whole, rtol=0, atol=1e-5)
     returns = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask  # a per-sequence target
-    loss = ValueLossSettings(cliprange_value=0.5, loss_agg_mode="token-mean")
     history = []
     for _ in range(8):
-        batch = batch.with_fields(values=critic.compute_values(batch, 8), returns=returns)
-        history.append(critic.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss))
+        batch = batch.with_fields(values=critic.compute_values(batch), returns=returns)
+        history.append(critic.update(batch))
     assert history[-1]["critic/vf_loss"] < 0.5 * history[0]["critic/vf_loss"], [
         h["critic/vf_loss"] for h in history
     ]
@@ -328,13 +347,13 @@ def test_critic_update_reduces_value_loss(model_dir):
 def test_critic_micro_batch_invariance(model_dir):
     base = load_critic(str(model_dir))
     batch = make_batch()
-    values = Critic(fresh(base), optim()).compute_values(batch, 8)
+    values = critic_of(fresh(base)).compute_values(batch)
     batch = batch.with_fields(values=values, returns=values + torch.randn(values.shape) * batch.response_mask)
     loss = ValueLossSettings(cliprange_value=0.2, loss_agg_mode="seq-mean-token-mean")
     params = []
     for micro in (1, 8):
-        critic = Critic(fresh(base), optim())
-        critic.update(batch, mini_batch_size=8, micro_batch_size=micro, ppo_epochs=1, loss=loss)
+        critic = critic_of(fresh(base), mini=8, micro=micro, loss=loss)
+        critic.update(batch)
         params.append(flat_params(critic.model))
     start = flat_params(base)
     assert (params[0] - params[1]).norm() / (params[1] - start).norm() < 1e-4
@@ -357,13 +376,8 @@ def test_lr_schedule_hand_values():
 
 def test_policy_reports_the_lr_of_each_step_with_warmup(base_model):
     batch = with_training_fields(make_batch(batch_size=2), base_model)
-    policy = Policy(fresh(base_model), optim(lr=1e-3, warmup_steps=2))
-    lrs = [
-        policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())[
-            "actor/lr"
-        ]
-        for _ in range(3)
-    ]
+    policy = policy_of(fresh(base_model), mini=2, micro=2, lr=1e-3, warmup_steps=2)
+    lrs = [policy.update(batch)["actor/lr"] for _ in range(3)]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])
 
 
@@ -382,28 +396,26 @@ def test_clip_and_step_clips_the_global_norm_and_skips_non_finite_gradients():
 
 def test_state_dict_round_trip_continues_exactly(base_model):
     batch = with_training_fields(make_batch(), base_model)
-    kwargs = {"mini_batch_size": 4, "micro_batch_size": 4, "ppo_epochs": 1, "loss": loss_settings()}
-    straight = Policy(fresh(base_model), optim(warmup_steps=3))
-    straight.update(batch, **kwargs)
+    straight = policy_of(fresh(base_model), mini=4, micro=4, warmup_steps=3)
+    straight.update(batch)
     saved = copy.deepcopy(straight.state_dict())
-    straight.update(batch, **kwargs)
-    resumed = Policy(fresh(base_model), optim(warmup_steps=3))
+    straight.update(batch)
+    resumed = policy_of(fresh(base_model), mini=4, micro=4, warmup_steps=3)
     resumed.load_state_dict(saved)
-    metrics = resumed.update(batch, **kwargs)
+    metrics = resumed.update(batch)
     assert metrics["actor/lr"] == pytest.approx(2 / 3 * 1e-3)  # the schedule resumed at step 1
     torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=0)
 
 
 def test_update_rejects_missing_inputs(base_model):
     batch = make_batch(batch_size=2)
-    policy = Policy(fresh(base_model), optim())
     with pytest.raises(ValueError, match="advantages"):
-        policy.update(batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings())
+        policy_of(fresh(base_model), mini=2, micro=2).update(batch)
     batch = batch.with_fields(advantages=batch.response_mask)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy.update(
-            batch, mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss_settings(use_kl_loss=True)
-        )
+        policy_of(fresh(base_model), mini=2, micro=2, loss=loss_settings(use_kl_loss=True)).update(batch)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        sizes(mini=0)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -416,13 +428,20 @@ def test_bf16_autocast_update_on_gpu(model_dir):
     precision = default_precision("cuda")
     assert precision.param_dtype == torch.float32 and precision.autocast_dtype == torch.bfloat16
     model = load_policy(str(model_dir), device="cuda")
-    policy = Policy(model, optim(), autocast_dtype=precision.autocast_dtype)
+    policy = Policy(
+        model,
+        optim(),
+        sizes(8, 4),
+        loss_settings(),
+        log_prob_micro_batch_size=4,
+        autocast_dtype=precision.autocast_dtype,
+    )
     batch = make_batch()
     fp32 = response_logprobs(load_reference(str(model_dir), device="cuda"), batch.to("cuda"))
-    bf16 = policy.compute_logprobs(batch, 4, with_entropy=True)
+    bf16 = policy.compute_logprobs(batch, with_entropy=True)
     assert bf16.logprobs.dtype == torch.float32 and bf16.logprobs.device.type == "cpu"
     torch.testing.assert_close(bf16.logprobs, fp32.logprobs.cpu(), rtol=0, atol=5e-2)
     batch = batch.with_fields(advantages=batch.response_mask, old_logprobs=bf16.logprobs)
-    metrics = policy.update(batch, mini_batch_size=8, micro_batch_size=4, ppo_epochs=1, loss=loss_settings())
+    metrics = policy.update(batch)
     assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
     assert all(p.dtype == torch.float32 for p in policy.model.parameters())

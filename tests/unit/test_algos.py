@@ -85,6 +85,29 @@ def test_grpo_all_equal_group_gives_zero_not_nan():
     torch.testing.assert_close(adv, torch.zeros(2, 2), **F32)
 
 
+def test_equal_scores_give_exactly_zero_advantage_even_when_their_float_mean_is_off():
+    # Six fp32 scores of 0.3: their float mean is 0.3 - 2.98e-8, so the textbook formula gives each
+    # (2.98e-8) / (std 3.3e-8 + 1e-6) = +0.0289 (verl's value too). The control shows that bug:
+    scores = t32([0.3] * 6)
+    textbook = (scores - scores.mean()) / (scores.std() + 1e-6)
+    assert textbook.min().item() > 0.028
+    # A second group of 0.3s next to a group that varies, ids interleaved:
+    scores = t32([0.3, 1.0, 0.3, 0.0, 0.3, 0.3, 0.3, 0.3])
+    groups = torch.tensor([4, 7, 4, 7, 4, 4, 4, 4])
+    mask = torch.ones(8, 2)
+    for advantages in (
+        algos.grpo_advantages(scores, groups, mask),
+        algos.rloo_advantages(scores, groups, mask),
+        algos.reinforce_plus_plus_baseline_advantages(scores, groups, mask),
+    ):
+        assert advantages[groups == 4].abs().max().item() == 0.0  # exactly, not within a tolerance
+    # group 7 is untouched: (1 - 0.5) / (sqrt(0.5) + 1e-6) = 0.707106
+    grpo = algos.grpo_advantages(scores, groups, mask)
+    torch.testing.assert_close(grpo[1], t32([0.707106] * 2), **F32)
+    mean, std, _ = algos.group_stats(scores, groups)
+    assert mean[0].item() == scores[0].item() and std[0].item() == 0.0
+
+
 def test_rloo_subtracts_the_mean_of_the_others():
     adv = algos.rloo_advantages(SCORES, GROUPS, MASK)
     # group 5: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3   (= 4/3 * (+-0.5))
@@ -269,9 +292,15 @@ def test_aggregate_loss_modes(mode, kwargs, expected):
 
 
 def test_aggregate_loss_empty_sequence_and_bad_arguments():
-    # an all-padding row adds 0 instead of 0 / 0: (6 / 3 + 0) / 2 = 1
-    loss = algos.aggregate_loss(LOSS, t32([[1, 1, 1], [0, 0, 0]]), "seq-mean-token-mean")
-    torch.testing.assert_close(loss, torch.tensor(1.0), **F32)
+    # A row with no loss token adds 0 (not 0 / 0) and is not counted, as in verl:
+    # (6 / 3) / 1 = 2, not (6 / 3 + 0) / 2 = 1, in every seq-mean mode
+    no_tokens = t32([[1, 1, 1], [0, 0, 0]])
+    assert algos.count_loss_sequences(no_tokens).item() == 1
+    for mode, expected in (("seq-mean-token-mean", 2.0), ("seq-mean-token-sum", 6.0)):
+        torch.testing.assert_close(algos.aggregate_loss(LOSS, no_tokens, mode), torch.tensor(expected), **F32)
+    # seq-mean-token-sum-norm: (6 / 3) / 1 = 2
+    loss = algos.aggregate_loss(LOSS, no_tokens, "seq-mean-token-sum-norm")
+    torch.testing.assert_close(loss, torch.tensor(2.0), **F32)
     assert algos.aggregate_loss(LOSS, torch.zeros(2, 3), "token-mean").item() == 0.0
     with pytest.raises(ValueError, match="unknown loss_agg_mode 'seq-mean'"):
         algos.aggregate_loss(LOSS, LOSS_MASK, "seq-mean")
@@ -406,14 +435,6 @@ def test_overlong_penalty_inside_buffer_and_beyond():
         algos.overlong_penalty(lengths, max_response_len=20, buffer_len=0)
     with pytest.raises(ValueError, match="buffer_len"):
         algos.overlong_penalty(lengths, max_response_len=20, buffer_len=21)
-
-
-def test_zero_variance_groups():
-    scores = t32([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 2.0, 2.0])
-    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3])
-    # group 0 all 1 -> drop; group 1 mixed -> keep; group 2 alone -> keep (verl); group 3 all 2 -> drop
-    expected = [True, True, True, False, False, False, True, True]
-    assert algos.zero_variance_groups(scores, groups).tolist() == expected
 
 
 # ----------------------------------------------------------------------- micro-batch invariance

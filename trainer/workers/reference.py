@@ -1,7 +1,7 @@
 """The reference worker: the frozen initial policy's logprobs, for the KL loss or the KL reward penalty.
 
-Same chunked computation and temperature as the policy's (trainer/workers/actor.py), so at step 0 the
-reference and policy logprobs are identical and every KL estimate is exactly 0.
+Same chunked computation and temperature as the policy's (trainer/workers/logprobs.py), so at step 0
+the reference and policy logprobs are identical and every KL estimate is exactly 0.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from trainer.batch import TrainBatch
-from trainer.workers.actor import DEFAULT_LOGITS_CHUNK_SIZE, batched_response_logprobs
+from trainer.workers.logprobs import DEFAULT_LOGITS_CHUNK_SIZE, batched_response_logprobs
 
 
 class Reference:
@@ -21,22 +21,25 @@ class Reference:
         self,
         model: PreTrainedModel,
         *,
+        micro_batch_size: int,
+        temperature: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
         logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
     ) -> None:
+        """micro_batch_size: sequences per forward; temperature: the rollout's, as the policy's."""
         self.model = model.eval().requires_grad_(False)
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
         self.autocast_dtype = autocast_dtype
         self.logits_chunk_size = logits_chunk_size
 
-    def compute_logprobs(
-        self, batch: TrainBatch, micro_batch_size: int, *, temperature: float = 1.0
-    ) -> Tensor:
+    def compute_logprobs(self, batch: TrainBatch) -> Tensor:
         """[B, T] sampled-token logprobs under the reference, 0 on padding."""
         return batched_response_logprobs(
             self.model,
             batch,
-            micro_batch_size,
-            temperature=temperature,
+            self.micro_batch_size,
+            temperature=self.temperature,
             with_entropy=False,
             autocast_dtype=self.autocast_dtype,
             chunk_size=self.logits_chunk_size,

@@ -1,0 +1,336 @@
+"""Everything a run builds once, from the config: the parts the fit loop drives, each with its settings.
+
+`build_run(cfg)` loads the models and opens the prompt source and the scorer, and turns the config's
+keys into each part's settings here, once: the policy, reference and critic get their batch sizes,
+losses and temperature at construction, so a training step passes them data only
+(`run.policy.update(batch)`). verl's batch sizes count prompts; every size handed to a worker counts
+sequences (prompts x rollout.n).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from services.reward_server.schemas import RewardOptions
+from trainer import algos
+from trainer.algos import KLKind
+from trainer.config import Config
+from trainer.data import PromptSource, open_prompt_source, total_steps
+from trainer.model import (
+    Precision,
+    default_precision,
+    load_critic,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+)
+from trainer.rewards import Scorer, close_scorer, open_scorer, reward_options
+from trainer.rollout.base import RolloutEngine, SamplingParams
+from trainer.rollout.hf_engine import HFRolloutEngine
+from trainer.tracking import Tracker
+from trainer.workers.actor import Policy, PolicyLossSettings
+from trainer.workers.common import OptimizerSettings, UpdateSettings
+from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.reference import Reference
+
+log = logging.getLogger("trainer")
+
+KLController = algos.FixedKLController | algos.AdaptiveKLController
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageSettings:
+    """algorithm.*: how token rewards and advantages are computed from the scores."""
+
+    estimator: str  # grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae
+    gamma: float
+    lam: float
+    norm_by_std: bool  # GRPO (true) or Dr. GRPO (false)
+    use_kl_in_reward: bool
+    kl_penalty: KLKind
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupFilter:
+    """DAPO dynamic sampling: keep only prompts whose n rewards vary (algorithm.filter_groups)."""
+
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"]  # acc: correctness, else the score
+    max_rounds: int  # generation rounds per step before giving up; <= 0: no limit
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """How many prompts a step trains on and how many each generation round fetches."""
+
+    prompts: int  # data.train_batch_size
+    prompts_per_round: int  # data.gen_batch_size with DAPO, else prompts
+    group_filter: GroupFilter | None
+
+
+@dataclass
+class Run:
+    """Everything a run builds once; the loop reads its parts and passes them data."""
+
+    cfg: Config  # trainer.* (frequencies, folders, logger) for the driver itself
+    tokenizer: PreTrainedTokenizerBase
+    source: PromptSource
+    engine: RolloutEngine
+    scorer: Scorer
+    policy: Policy
+    reference: Reference | None
+    critic: Critic | None
+    kl_ctrl: KLController
+    advantage: AdvantageSettings
+    plan: BatchPlan
+    sampling: SamplingParams
+    val_sampling: SamplingParams
+    reward_options: RewardOptions
+    total_steps: int
+    # The processes that train: one today, whatever trainer.nnodes / n_gpus_per_node say; throughput and
+    # MFU are per GPU, so they divide by this (the distributed trainer makes it its group's size).
+    world_size: int = 1
+    tracker: Tracker | None = None
+    last_saved_step: int = 0
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether a step computes the policy's logprobs before its update.
+
+        The policy update can skip them when exactly on-policy (old == current). The KL penalty in the
+        reward cannot: it is taken against the policy that sampled, before the advantages exist.
+        """
+        batch_size = self.plan.prompts * self.sampling.n
+        return self.advantage.use_kl_in_reward or not self.policy.is_on_policy(batch_size)
+
+
+async def build_run(cfg: Config) -> Run:
+    arr, trainer = cfg.actor_rollout_ref, cfg.trainer
+    device = resolve_device(trainer.device)
+    precision = default_precision(device, trainer.mixed_precision)
+    if arr.rollout.name in ("sglang", "vllm"):
+        log.warning(
+            f"rollout.name={arr.rollout.name}: that engine is not wired in yet; using the built-in engine"
+        )
+    tokenizer = load_tokenizer(
+        cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
+    )
+    source = await open_prompt_source(
+        cfg.data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template
+    )
+    steps = total_steps(
+        source.train_size, cfg.data.train_batch_size, trainer.total_epochs, trainer.total_training_steps
+    )
+    policy = build_policy(cfg, device, precision, steps)
+    scorer = await open_scorer(
+        cfg.reward_model.mode,
+        urls=cfg.services.reward_url,
+        timeout_s=cfg.services.timeout_s,
+        retries=cfg.services.retries,
+        token=cfg.services.auth_token,
+        health_timeout_s=cfg.services.health_timeout_s,
+        custom_path=cfg.custom_reward_function.path,
+        custom_name=cfg.custom_reward_function.name,
+    )
+    return Run(
+        cfg=cfg,
+        tokenizer=tokenizer,
+        source=source,
+        engine=HFRolloutEngine(policy.model, tokenizer, autocast_dtype=precision.autocast_dtype),
+        scorer=scorer,
+        policy=policy,
+        reference=build_reference(cfg, device, precision) if cfg.use_reference else None,
+        critic=build_critic(cfg, device, precision, steps) if cfg.use_critic else None,
+        kl_ctrl=kl_controller(cfg.algorithm.kl_ctrl),
+        advantage=advantage_settings(cfg.algorithm),
+        plan=batch_plan(cfg),
+        sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=False),
+        val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
+        reward_options=reward_options(cfg.reward_model, cfg.data.max_response_length),
+        total_steps=steps,
+    )
+
+
+async def close_run(run: Run) -> None:
+    if run.tracker is not None:
+        run.tracker.close()
+    await close_scorer(run.scorer)
+    await run.source.aclose()
+
+
+# ------------------------------------------------------------------------------------------ workers
+
+
+def build_policy(cfg: Config, device: torch.device, precision: Precision, steps: int) -> Policy:
+    arr, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
+    actor = arr.actor
+    model = load_policy(
+        arr.model.path,
+        device=device,
+        param_dtype=precision.param_dtype,
+        trust_remote_code=arr.model.trust_remote_code,
+        gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+    )
+    return Policy(
+        model,
+        optimizer_settings(actor.optim, actor.grad_clip, steps),
+        UpdateSettings(
+            mini_batch_size=actor.ppo_mini_batch_size * n,
+            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=actor.ppo_epochs,
+        ),
+        policy_loss_settings(actor, cfg.data.max_response_length),
+        temperature=arr.rollout.temperature or 1.0,
+        log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+        autocast_dtype=precision.autocast_dtype,
+    )
+
+
+def build_reference(cfg: Config, device: torch.device, precision: Precision) -> Reference:
+    arr = cfg.actor_rollout_ref
+    model = load_reference(
+        arr.model.path,
+        device=device,
+        param_dtype=precision.param_dtype,
+        trust_remote_code=arr.model.trust_remote_code,
+    )
+    return Reference(
+        model,
+        micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+        temperature=arr.rollout.temperature or 1.0,
+        autocast_dtype=precision.autocast_dtype,
+    )
+
+
+def build_critic(cfg: Config, device: torch.device, precision: Precision, steps: int) -> Critic:
+    critic = cfg.critic
+    model = load_critic(
+        critic.model.path,
+        device=device,
+        param_dtype=precision.param_dtype,
+        trust_remote_code=bool(critic.model.trust_remote_code),
+        gradient_checkpointing=critic.model.enable_gradient_checkpointing,
+    )
+    return Critic(
+        model,
+        optimizer_settings(critic.optim, critic.grad_clip, steps),
+        UpdateSettings(
+            mini_batch_size=critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n,
+            micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=critic.ppo_epochs,
+        ),
+        ValueLossSettings(
+            cliprange_value=critic.cliprange_value,
+            loss_agg_mode=critic.loss_agg_mode,
+            max_response_len=cfg.data.max_response_length,
+        ),
+        forward_micro_batch_size=critic.forward_micro_batch_size_per_gpu,
+        autocast_dtype=precision.autocast_dtype,
+    )
+
+
+# ------------------------------------------------------------------------------------------ settings
+
+
+def optimizer_settings(optim, grad_clip: float, steps: int) -> OptimizerSettings:
+    warmup = (
+        optim.lr_warmup_steps
+        if optim.lr_warmup_steps is not None and optim.lr_warmup_steps >= 0
+        else int(optim.lr_warmup_steps_ratio * steps)
+    )
+    return OptimizerSettings(
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=tuple(optim.betas),
+        grad_clip=grad_clip,
+        warmup_steps=warmup,
+        total_steps=steps,
+        schedule=optim.lr_scheduler_type,
+        min_lr_ratio=optim.min_lr_ratio or 0.0,
+    )
+
+
+def policy_loss_settings(actor, max_response_length: int) -> PolicyLossSettings:
+    return PolicyLossSettings(
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        max_response_len=max_response_length,
+    )
+
+
+def advantage_settings(algorithm) -> AdvantageSettings:
+    return AdvantageSettings(
+        estimator=algorithm.adv_estimator,
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        norm_by_std=algorithm.norm_adv_by_std_in_grpo,
+        use_kl_in_reward=algorithm.use_kl_in_reward,
+        kl_penalty=algorithm.kl_penalty,
+    )
+
+
+def batch_plan(cfg: Config) -> BatchPlan:
+    groups = cfg.algorithm.filter_groups
+    if not groups.enable:
+        return BatchPlan(
+            prompts=cfg.data.train_batch_size, prompts_per_round=cfg.data.train_batch_size, group_filter=None
+        )
+    return BatchPlan(
+        prompts=cfg.data.train_batch_size,
+        prompts_per_round=cfg.data.gen_batch_size,
+        group_filter=GroupFilter(metric=groups.metric, max_rounds=groups.max_num_gen_batches),
+    )
+
+
+def sampling_params(rollout, max_response_length: int, *, validation: bool) -> SamplingParams:
+    if validation:
+        kw = rollout.val_kwargs
+        greedy = not kw.do_sample or kw.temperature == 0
+        return SamplingParams(
+            temperature=0.0 if greedy else kw.temperature,
+            top_p=kw.top_p,
+            top_k=kw.top_k,
+            max_new_tokens=max_response_length,
+            stop=tuple(rollout.stop),
+            stop_token_ids=tuple(rollout.stop_token_ids),
+            n=kw.n,
+        )
+    return SamplingParams(
+        temperature=rollout.temperature if rollout.do_sample else 0.0,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=max_response_length,
+        stop=tuple(rollout.stop),
+        stop_token_ids=tuple(rollout.stop_token_ids),
+        n=rollout.n,
+    )
+
+
+def kl_controller(kl_ctrl) -> KLController:
+    if kl_ctrl.type == "adaptive":
+        return algos.AdaptiveKLController(kl_ctrl.kl_coef, kl_ctrl.target_kl, kl_ctrl.horizon)
+    return algos.FixedKLController(kl_ctrl.kl_coef)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,252 @@
+"""What the trainable roles (policy, critic) share: batching, AdamW and its LR schedule, the update loop.
+
+One update(), verl's dp_actor.update_policy in our terms:
+    for each of ppo_epochs:
+        for each mini-batch (mini_batch_size sequences):      -> one optimizer step
+            for each micro-batch (micro_batch_size sequences): forward, loss, backward (accumulate)
+            clip the gradient norm, step AdamW
+    step the LR schedule once (its warmup and horizon count training steps, as in verl)
+Each micro-batch's loss is aggregated with the mini-batch's GLOBAL token and sequence counts
+(`global_denominators`, algos.aggregate_loss), so the summed micro-batch gradients equal the mini-batch
+gradient exactly: micro-batch 1 x accumulation 8 gives the same parameters as 8 x 1. Under data
+parallelism these counts must be all-reduced over ranks (the distributed issue).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from trainer import algos
+from trainer.batch import TrainBatch
+from trainer.model import autocast
+
+# ------------------------------------------------------------------------------------------ batching
+
+
+def micro_batches(batch: TrainBatch, size: int, device: torch.device) -> Iterator[TrainBatch]:
+    """Micro-batches of `size` sequences on `device`, each trimmed to its own padding."""
+    for micro in batch.split(size):
+        yield micro.trimmed().to(device)
+
+
+def pad_response_columns(parts: list[Tensor], width: int) -> Tensor:
+    """Concatenate [b_i, T_i] tensors of trimmed micro-batches into [B, width], zero-padded."""
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateSettings:
+    """How one update() walks its batch. Sizes count sequences (verl's prompt counts x rollout.n)."""
+
+    mini_batch_size: int  # sequences per optimizer step
+    micro_batch_size: int  # sequences per forward / backward
+    ppo_epochs: int = 1  # passes over the batch
+
+    def __post_init__(self) -> None:
+        if min(self.mini_batch_size, self.micro_batch_size, self.ppo_epochs) < 1:
+            raise ValueError(f"update sizes and ppo_epochs must be >= 1; got {self}")
+
+
+def global_denominators(mini_batch: TrainBatch, max_response_len: int | None) -> dict:
+    """algos.aggregate_loss's num_tokens / num_seqs / max_response_len for every micro-batch of it."""
+    mask = mini_batch.response_mask
+    return {
+        "num_tokens": max(float(mask.sum()), 1.0),
+        "num_seqs": max(int(algos.count_loss_sequences(mask)), 1),
+        "max_response_len": max_response_len or mini_batch.response_width,
+    }
+
+
+# ------------------------------------------------------------------------------ optimizer, schedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSettings:
+    """actor_rollout_ref.actor.optim.* / critic.optim.* and grad_clip, resolved when the run is built.
+
+    warmup_steps and total_steps count training steps (one update() call each).
+    """
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float | None  # max global grad norm; None or <= 0: no clipping (the norm is still logged)
+    warmup_steps: int
+    total_steps: int
+    schedule: Literal["constant", "cosine"]  # optim.lr_scheduler_type
+    min_lr_ratio: float  # cosine decays to lr * min_lr_ratio
+    eps: float = 1e-8  # AdamW's epsilon; no verl key sets it
+
+
+def lr_multiplier(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
+) -> float:
+    """The LR factor for training step `step` (0-based).
+
+    Linear warmup reaches the full LR at step warmup_steps - 1 (verl starts at 0, wasting a step);
+    then constant, or a half cosine from 1 down to min_lr_ratio at total_steps.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings):
+    """AdamW over the trainable parameters, and its LambdaLR schedule."""
+    if settings.schedule not in ("constant", "cosine"):
+        raise ValueError(f"unknown LR schedule {settings.schedule!r}; expected 'constant' or 'cosine'")
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    fused = parameters[0].device.type == "cuda"
+    optimizer = torch.optim.AdamW(
+        parameters,
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        fused=fused or None,
+    )
+    multiplier = functools.partial(
+        lr_multiplier,
+        warmup_steps=settings.warmup_steps,
+        total_steps=settings.total_steps,
+        schedule=settings.schedule,
+        min_lr_ratio=settings.min_lr_ratio,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None) -> float:
+    """Clip the global grad norm and step; a non-finite norm skips the step. Returns the pre-clip norm."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    max_norm = grad_clip if grad_clip and grad_clip > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+
+class MiniBatchMetrics:
+    """One mini-batch's metrics, summed over its micro-batches.
+
+    Loss terms are already divided by the mini-batch's global denominators, so their micro-batch parts
+    add up; every other value is a per-token mean of its micro-batch, weighted here by its tokens.
+    """
+
+    def __init__(self, total_tokens: float, loss_names: tuple[str, ...]) -> None:
+        self.total_tokens = max(total_tokens, 1.0)
+        self.loss_names = loss_names
+        self.sums: dict[str, float] = defaultdict(float)
+
+    def add(self, values: dict[str, float], tokens: float) -> None:
+        for name, value in values.items():
+            weight = 1.0 if name in self.loss_names else tokens / self.total_tokens
+            self.sums[name] += value * weight
+
+    def result(self) -> dict[str, float]:
+        return dict(self.sums)
+
+
+class MetricAccumulator:
+    """The means over one update()'s mini-batches of their metrics."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.totals[name] += value
+            self.counts[name] += 1
+
+    def means(self) -> dict[str, float]:
+        return {name: self.totals[name] / self.counts[name] for name in self.totals}
+
+
+# ------------------------------------------------------------------------------------------ the base
+
+
+class TrainedModel:
+    """A model with its AdamW and LR schedule, and the update loop both trainable roles share.
+
+    A role (Policy, Critic) names its metric prefix and supplies `check_update_inputs` and
+    `train_mini_batch` (forward and backward of each micro-batch, returning the mini-batch's metrics);
+    `update` does the rest. Parameters, optimizer and schedule round-trip through `state_dict`.
+    """
+
+    metric_prefix: ClassVar[str]
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimizerSettings,
+        update: UpdateSettings,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.optim = optim
+        self.update_settings = update
+        self.autocast_dtype = autocast_dtype
+        self.optimizer, self.scheduler = build_optimizer(model, optim)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def autocast(self):
+        return autocast(self.device, self.autocast_dtype)
+
+    def micro_batches(self, batch: TrainBatch, size: int | None = None) -> Iterator[TrainBatch]:
+        return micro_batches(batch, size or self.update_settings.micro_batch_size, self.device)
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """ppo_epochs passes over the batch's mini-batches, an optimizer step each; one LR-schedule step.
+
+        Returns the means over mini-batches of the role's metrics, with {prefix}/grad_norm and
+        {prefix}/lr (the LR these steps used), as verl names them.
+        """
+        self.check_update_inputs(batch)
+        settings, prefix = self.update_settings, self.metric_prefix
+        lr = self.scheduler.get_last_lr()[0]
+        self.model.train()
+        metrics = MetricAccumulator()
+        for _ in range(settings.ppo_epochs):
+            for mini_batch in batch.split(settings.mini_batch_size):
+                step = self.train_mini_batch(mini_batch)
+                step[f"{prefix}/grad_norm"] = clip_and_step(self.model, self.optimizer, self.optim.grad_clip)
+                metrics.add(step)
+        self.scheduler.step()
+        return {**metrics.means(), f"{prefix}/lr": lr}
+
+    def check_update_inputs(self, batch: TrainBatch) -> None:
+        raise NotImplementedError
+
+    def train_mini_batch(self, mini_batch: TrainBatch) -> dict[str, float]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
