@@ -6,7 +6,9 @@
     down  stop a group that `up` started elsewhere (it reads RUN_DIR/state.json)
 
 Services: data-server :8000, reward-server :8001, retrieval-server :8002 (only with an index:
---retrieval-index DIR, or --retrieval-corpus FILE.jsonl to build one first). Their output is printed
+--retrieval-index DIR, or --retrieval-corpus FILE.jsonl to build one first). USE_RETRIEVAL, a flag
+(true/false, 1/0, yes/no) as in the SkyPilot job group, decides when set: false leaves the
+retrieval-server out even with an index, true requires one. Their output is printed
 line by line as `[data-server] ...` and kept in RUN_DIR/logs/.
 
 No orphans: every child runs in its own process group, and teardown sends SIGTERM to each group, then
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from jobgroup.flags import env_flag
 
 POLL_S = 0.2
 
@@ -254,7 +258,19 @@ def chosen_services(opts: argparse.Namespace) -> list[str]:
             raise GroupFailure("retrieval needs --retrieval-index DIR or --retrieval-corpus FILE.jsonl")
         return names
     names = ["data", "reward"]
-    return names + ["retrieval"] if (opts.retrieval_index or opts.retrieval_corpus) else names
+    return names + ["retrieval"] if retrieval_wanted(opts) else names
+
+
+def retrieval_wanted(opts: argparse.Namespace) -> bool:
+    """USE_RETRIEVAL decides when it is set; otherwise an index or a corpus given means yes."""
+    given = bool(opts.retrieval_index or opts.retrieval_corpus)
+    try:
+        flag = env_flag("USE_RETRIEVAL")
+    except ValueError as exc:
+        raise GroupFailure(str(exc)) from None
+    if flag and not given:
+        raise GroupFailure("USE_RETRIEVAL is on: give --retrieval-index DIR or --retrieval-corpus FILE.jsonl")
+    return given if flag is None else flag
 
 
 # The command that serves each service, before the flags every service shares.

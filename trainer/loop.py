@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,9 +51,11 @@ from trainer.tracking import (
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
-    max_memory_allocated_gb,
+    memory_metrics,
     mfu,
     peak_flops_per_gpu,
+    progress_metrics,
+    timed,
     timer,
     training_flops,
 )
@@ -85,9 +88,9 @@ async def _fit(cfg: Config) -> dict[str, float]:
             metrics = await train_step(run, step)
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)
-            run.tracker.log(metrics, step)
             if should(cfg.trainer.save_freq, step, run.total_steps):
-                save(run, step)
+                metrics |= timed("save_checkpoint", save, run, step)
+            run.tracker.log(metrics, step)
         return metrics
     except ServiceError as exc:
         # Keep the finished steps. The failed step changed no weights, but it may have fetched its prompts:
@@ -128,7 +131,8 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
             run.engine.load_weights(run.policy.model)  # colocated: the same module, nothing to copy
     if run.cfg.trainer.rollout_data_dir:
         dump_rollouts(run.cfg.trainer.rollout_data_dir, step, collected.groups)
-    return metrics | collected.metrics | step_metrics(run, batch, collected.scores, timings)
+    progress = progress_metrics(step, run.source.epoch)
+    return metrics | collected.metrics | step_metrics(run, batch, collected.scores, timings) | progress
 
 
 # ------------------------------------------------------------------------------------------ a batch
@@ -313,10 +317,7 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
     )
     if utilisation is not None:
         metrics["perf/mfu/actor"] = utilisation
-    memory = max_memory_allocated_gb()
-    if memory is not None:
-        metrics["perf/max_memory_allocated_gb"] = memory
-    return metrics
+    return metrics | memory_metrics()
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -324,7 +325,7 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
 
 async def validate(run: Run, step: int) -> dict[str, float]:
     """val-core/{data_source}/acc/mean@n (greedy by default) over the validation split."""
-    cfg, n = run.cfg, run.val_sampling.n
+    cfg, n, started = run.cfg, run.val_sampling.n, time.perf_counter()
     correct: dict[str, list[float]] = defaultdict(list)
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
@@ -348,7 +349,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     for source, right in correct.items():
         metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(right))
         metrics[f"val-aux/{source}/reward/mean@{n}"] = float(np.mean(rewards[source]))
-    return metrics
+    return metrics | {"timing_s/testing": time.perf_counter() - started}
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -1,7 +1,8 @@
 """python -m trainer.main_ppo key=value ...   — verl's `main_ppo` command line for this trainer.
 
-Parses YAML files and overrides into the typed Config (trainer/config.py), refuses a bad one with one
-line per problem and exit code 2 before any work, prints the resolved config, then runs the fit loop.
+Parses YAML files and overrides into the typed Config (trainer/config/), refuses a bad one with one
+line per problem and exit code 2 before any work, prints the resolved config and the start notices
+(an engine substituted, verl keys accepted with no effect), then runs the fit loop.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ Train a policy with GRPO / PPO (verl's main_ppo keys). Examples:
 
   python -m trainer.main_ppo --config run.yaml trainer.total_training_steps=10
 
-Values are read like Hydra's: numbers, true/false, null (or None, ~), lists [a,b] or ['a','b'],
-maps {k: v}, quoted strings. `+key=value` is accepted; YAML files (nested keys) apply before overrides.
---dry-run checks and prints the resolved configuration without training.
+The command line is read as verl reads it: Hydra overrides (key=value, +key=value, ~key; values such
+as 1e-6, true, null, [a,b], {k: v}, 'quoted'), YAML files merged first, ${...} interpolation including
+${oc.env:VAR,default}. --dry-run checks and prints the resolved configuration without training.
 
-Every key, its type, default and meaning: the configuration reference in README.md, or
+Every key, its type, default and meaning: docs/config.md, or
   python -m trainer.config --markdown
 """
 
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print("(python -m trainer.main_ppo --help for usage)", file=sys.stderr)
         return 2
     print(config.resolved_yaml(), end="", flush=True)
+    for notice in config.notices():
+        print(notice, flush=True)
     if dry_run:
         return 0
     from services.common.client import ServiceError

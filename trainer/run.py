@@ -114,10 +114,6 @@ async def build_run(cfg: Config) -> Run:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     device = resolve_device(trainer.device)
     precision = default_precision(device, trainer.mixed_precision)
-    if arr.rollout.name in ("sglang", "vllm"):
-        log.warning(
-            f"rollout.name={arr.rollout.name}: that engine is not wired in yet; using the built-in engine"
-        )
     tokenizer = load_tokenizer(
         cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
     )
@@ -185,7 +181,7 @@ def build_policy(cfg: Config, device: torch.device, precision: Precision, steps:
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=actor.ppo_epochs,
         ),
-        policy_loss_settings(actor, cfg.data.max_response_length),
+        policy_loss_settings(actor),
         temperature=arr.rollout.temperature or 1.0,
         log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
         autocast_dtype=precision.autocast_dtype,
@@ -256,7 +252,8 @@ def optimizer_settings(optim, grad_clip: float, steps: int) -> OptimizerSettings
     )
 
 
-def policy_loss_settings(actor, max_response_length: int) -> PolicyLossSettings:
+def policy_loss_settings(actor) -> PolicyLossSettings:
+    """actor.loss_scale_factor is the Dr.GRPO divisor; the config derives it from data.max_response_length."""
     return PolicyLossSettings(
         clip_ratio_low=actor.clip_ratio_low,
         clip_ratio_high=actor.clip_ratio_high,
@@ -266,7 +263,7 @@ def policy_loss_settings(actor, max_response_length: int) -> PolicyLossSettings:
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
-        max_response_len=max_response_length,
+        max_response_len=actor.loss_scale_factor,
     )
 
 

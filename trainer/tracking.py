@@ -9,12 +9,16 @@
   imported only when asked for (`pip install 'rl-jobgroup[loggers]'`).
 
 The tracker's `run_id` is stored in checkpoints (TrainState.tracker_run_id); passing it back on resume
-reopens the same W&B / SwanLab run (resume="allow") instead of starting a new one.
+reopens the same W&B / SwanLab run (resume="allow") instead of starting a new one. What the user set
+wins: WANDB_RUN_ID / WANDB_RESUME and SWANLAB_RUN_ID / SWANLAB_RESUME name the run and the resume mode
+of their backend. RUN_DIR/summary.json (and the W&B run summary) record facts of the run that the
+metrics do not, such as the rollout engine that actually generated.
 
 The metric helpers compute verl's names with verl's definitions (verl/trainer/ppo/metric_utils.py):
 critic/score/*, critic/rewards/*, critic/advantages/*, critic/returns/*, critic/values/*,
 response_length/*, prompt_length/*, timing_s/*, timing_per_token_ms/*, perf/throughput (tokens per
-second per GPU), perf/mfu/actor, perf/max_memory_allocated_gb.
+second per GPU), perf/mfu/actor, perf/max_memory_{allocated,reserved}_gb, perf/cpu_memory_used_gb,
+training/global_step, training/epoch.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "swanlab")
 LOGGERS_EXTRA = "pip install 'rl-jobgroup[loggers]'"
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_FILE = "generations.jsonl"
+SUMMARY_FILE = "summary.json"
 
 
 def new_run_id() -> str:
@@ -66,9 +71,11 @@ class Tracker:
         unknown = [name for name in backends if name not in BACKENDS]
         if unknown:
             raise ValueError(f"unknown trainer.logger backend(s) {unknown}; choose from {list(BACKENDS)}")
-        self.run_id = run_id or new_run_id()
+        self.run_id = run_id or user_run_id(backends) or new_run_id()
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.summary = run_summary(config)
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=1) + "\n")
         self._warned: set[str] = set()
         names = list(dict.fromkeys(["jsonl", *backends]))
         self._sinks = [
@@ -85,7 +92,7 @@ class Tracker:
         if name == "tensorboard":
             return TensorBoardSink(Path(os.environ.get("TENSORBOARD_DIR") or self.run_dir / "tensorboard"))
         if name == "wandb":
-            return WandbSink(project, experiment, config, self.run_id, self.run_dir)
+            return WandbSink(project, experiment, config, self.run_id, self.run_dir, self.summary)
         return SwanLabSink(
             project,
             experiment,
@@ -125,6 +132,31 @@ class Tracker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# backend -> (the env naming its run, the env naming its resume mode), as each library documents them
+RUN_ENV = {"wandb": ("WANDB_RUN_ID", "WANDB_RESUME"), "swanlab": ("SWANLAB_RUN_ID", "SWANLAB_RESUME")}
+
+
+def user_run_id(backends: Sequence[str]) -> str | None:
+    """The run id the user set for the first external backend asked for (WANDB_RUN_ID, SWANLAB_RUN_ID)."""
+    for name in backends:
+        if name in RUN_ENV and os.environ.get(RUN_ENV[name][0]):
+            return os.environ[RUN_ENV[name][0]]
+    return None
+
+
+def backend_run(name: str, run_id: str) -> tuple[str, str]:
+    """(run id, resume mode) for a backend: the user's env when set, else ours and "allow"."""
+    id_var, resume_var = RUN_ENV[name]
+    return os.environ.get(id_var) or run_id, os.environ.get(resume_var) or "allow"
+
+
+def run_summary(config: dict) -> dict:
+    """Facts of the run the metrics do not carry, from the resolved config (absent keys are skipped)."""
+    rollout = config.get("actor_rollout_ref", {}).get("rollout", {})
+    facts = {"rollout_engine": rollout.get("engine"), "rollout_engine_requested": rollout.get("name")}
+    return {key: value for key, value in facts.items() if value is not None}
 
 
 def _as_scalar(value: Any) -> int | float | None:
@@ -234,12 +266,18 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, project: str, experiment: str, config: dict, run_id: str, run_dir: Path) -> None:
+    def __init__(
+        self, project: str, experiment: str, config: dict, run_id: str, run_dir: Path, summary: dict
+    ) -> None:
         self._wandb = _import_extra("wandb", "wandb")
         # mode comes from $WANDB_MODE (online / offline / disabled), as users of verl expect
+        run_id, resume = backend_run("wandb", run_id)
         self._run = self._wandb.init(
-            project=project, name=experiment, id=run_id, resume="allow", config=config, dir=str(run_dir)
+            project=project, name=experiment, id=run_id, resume=resume, config=config, dir=str(run_dir)
         )
+        # written at close: a summary written before the first log of a resumed offline run loses that
+        # session's history
+        self._summary = summary
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)
@@ -252,7 +290,12 @@ class WandbSink:
         self._run.log({"val/generations": table}, step=step)
 
     def close(self) -> None:
+        if self._summary:
+            self._run.summary.update(self._summary)
         self._run.finish()
+        # finish() returns before wandb's service has written the run's last records; teardown waits
+        # for it, so the run folder is complete once the tracker is closed (not only at process exit).
+        self._wandb.teardown()
 
 
 class SwanLabSink:
@@ -291,8 +334,21 @@ def _swanlab_init_kwargs(
         accepted = str(params["mode"].annotation) if "mode" in params else ""
         kwargs["mode"] = "online" if mode == "cloud" and "online" in accepted else mode
     if "id" in params and "resume" in params:
-        kwargs.update(id=run_id, resume="allow")
+        run_id, resume = backend_run("swanlab", run_id)
+        kwargs.update(id=run_id, resume=_swanlab_resume(resume))
     return kwargs
+
+
+def _swanlab_resume(value: str) -> str | bool:
+    """SwanLab takes must / allow / never, or a boolean; SWANLAB_RESUME=true means must."""
+    lowered = value.strip().lower()
+    if lowered in ("must", "allow", "never"):
+        return lowered
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ValueError(f"SWANLAB_RESUME={value!r}: expected must, allow, never, true or false")
 
 
 def _generations_markdown(rows: list[dict]) -> str:
@@ -472,6 +528,31 @@ def max_memory_allocated_gb() -> float | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.max_memory_allocated() / 2**30
+
+
+def memory_metrics() -> dict[str, float]:
+    """verl's perf/ memory metrics in GiB: the CUDA peaks (allocated by tensors, reserved by the caching
+    allocator) when there is a GPU, and the host's used memory (psutil's `used`, as verl) always."""
+    import psutil
+
+    metrics = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
+    if torch.cuda.is_available():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    return metrics
+
+
+def progress_metrics(step: int, epoch: int) -> dict[str, float]:
+    """verl's training/global_step and training/epoch (0-based, the epoch the step's prompts came from)."""
+    return {"training/global_step": step, "training/epoch": epoch}
+
+
+def timed(name: str, fn, *args) -> dict[str, float]:
+    """Run fn(*args) and return {"timing_s/<name>": seconds}, e.g. timed("save_checkpoint", save, ...)."""
+    timings: dict[str, float] = {}
+    with timer(name, timings):
+        fn(*args)
+    return {f"timing_s/{name}": timings[name]}
 
 
 @contextmanager

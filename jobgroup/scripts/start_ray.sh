@@ -7,15 +7,16 @@
 #          running cluster reuses it), then waits until all SKYPILOT_NUM_NODES nodes have joined.
 # rank > 0 joins the head unless this node already runs a raylet. With --follow it then stays until
 #          the head goes away, so a job group's trainer task ends when rank 0 stops Ray.
-# Settings: RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_WAIT_S (600: how long to wait for the
-# head / for the workers). SkyPilot sets SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES and
+# Settings: RAY_PORT (6385), RAY_DASHBOARD_PORT (8280), RAY_WAIT_S (600: how long to wait for the
+# head / for the workers). The ports are those of SkyPilot's verl examples: clear of Ray's defaults and
+# of the Ray cluster SkyPilot runs on every node for itself (6380, dashboard 8266). SkyPilot sets SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES and
 # SKYPILOT_NUM_GPUS_PER_NODE.
 set -euo pipefail
 
 follow=0
 [ "${1:-}" = "--follow" ] && follow=1
-port=${RAY_PORT:-6379}
-dashboard_port=${RAY_DASHBOARD_PORT:-8265}
+port=${RAY_PORT:-6385}
+dashboard_port=${RAY_DASHBOARD_PORT:-8280}
 wait_s=${RAY_WAIT_S:-600}
 rank=${SKYPILOT_NODE_RANK:-0}
 num_nodes=${SKYPILOT_NUM_NODES:-1}

@@ -11,7 +11,6 @@ import functools
 import importlib.util
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -200,15 +199,43 @@ def test_trainer_urls_name_real_tasks_ports_and_every_replica(name):
         assert len(urls["RETRIEVAL_SERVER_URL"].split(",")) == 2
 
 
+def waited_services(run: str, envs: dict) -> subprocess.CompletedProcess:
+    """Run the trainer's wait step in bash, printing the NAME=URL arguments instead of waiting."""
+    lines = run.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("waits=("))
+    end = next(i for i, line in enumerate(lines) if "wait_for_services.sh" in line)
+    step = "\n".join(lines[start : end + 1]).replace(
+        "bash jobgroup/scripts/wait_for_services.sh", "printf '%s\\n'"
+    )
+    env = {"PATH": os.environ["PATH"], **{k: str(v) for k, v in envs.items()}}
+    return subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + step], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
 @pytest.mark.parametrize("name", GROUP_YAMLS)
-def test_trainer_waits_for_every_service_before_training(name):
-    tasks = tasks_by_name(load(name))
+@pytest.mark.parametrize("use_retrieval", ["false", "true"])
+def test_trainer_waits_only_for_the_services_it_calls(name, use_retrieval):
+    tasks = tasks_by_name(load(name, env={"USE_RETRIEVAL": use_retrieval}))
     run = join_continuations(tasks[TRAINER].run)
-    wait_line = next(line for line in run.splitlines() if "wait_for_services.sh" in line)
-    waited = dict(arg.split("=", 1) for arg in shlex.split(wait_line) if "=" in arg)
-    assert set(waited) == set(tasks) - {TRAINER}
-    for service, ref in waited.items():  # each waits on the variable holding that service's URLs
-        assert URL_VARS[ref.lstrip("$").strip("{}")] == service
+    envs = {**tasks[TRAINER].envs, **exported_urls(run, group="g5")}
+    done = waited_services(run, envs)
+    assert done.returncode == 0, done.stderr
+    waited = dict(arg.split("=", 1) for arg in done.stdout.split())
+    expected = {"data-server", "reward-server"}
+    if use_retrieval == "true" and "retrieval-server" in tasks:  # retrieval only when the run uses it
+        expected.add("retrieval-server")
+    assert set(waited) == expected
+    for service, urls in waited.items():  # each waits on every replica of that service
+        assert urls == next(value for var, value in envs.items() if URL_VARS.get(var) == service)
+    if name == "verl-grpo.yaml":
+        bad = waited_services(run, {**envs, "USE_RETRIEVAL": "maybe"})
+        assert bad.returncode == 2 and "USE_RETRIEVAL=maybe is not a flag" in bad.stderr
+
+
+@pytest.mark.parametrize("name", GROUP_YAMLS)
+def test_trainer_starts_ray_then_waits_then_trains(name):
+    run = join_continuations(tasks_by_name(load(name))[TRAINER].run)
     lines = [line for line in run.splitlines() if "--follow" not in line]  # rank 0's path
     order = [
         next(i for i, line in enumerate(lines) if key in line)
@@ -243,7 +270,7 @@ def test_gpus_only_where_training_runs(name):
     for task in dag.tasks:
         if task.name in (TRAINER, "rl-multinode"):
             assert accelerators(task), f"{task.name} has no GPU"
-            assert any("8265" in (r.ports or []) for r in task.resources), "Ray dashboard port not exposed"
+            assert any("8280" in (r.ports or []) for r in task.resources), "Ray dashboard port not exposed"
         else:
             assert not accelerators(task), f"CPU service {task.name} asks for {accelerators(task)}"
             assert all(r.cpus for r in task.resources), f"{task.name} names no CPU count"
@@ -251,7 +278,7 @@ def test_gpus_only_where_training_runs(name):
 
 @pytest.mark.parametrize("name", ALL_YAMLS)
 def test_checkpoints_on_a_bucket_and_resume_auto(name):
-    dag = load(name, env={"CHECKPOINT_BUCKET": "my-ckpt-bucket"})
+    dag = load(name, env={"CHECKPOINT_BUCKET_NAME": "my-ckpt-bucket"})  # the SkyPilot example's name
     trainer = next(t for t in dag.tasks if accelerators(t))
     mount = trainer.storage_mounts["/checkpoints"]
     assert mount.name == "my-ckpt-bucket"  # the --env override reaches the bucket name
@@ -291,20 +318,25 @@ def test_train_sh_maps_the_trainer_envs_to_trainer_keys():
     ]
     urls = exported_urls(trainer.run, group="g2")
     envs = {**trainer.envs, **{k: v.get_secret_value() for k, v in trainer.secrets.items()}, **urls}
-    argv = train_sh_argv(envs, extra=("actor_rollout_ref.rollout.n=8",))
+    argv = train_sh_argv({**envs, "USE_RETRIEVAL": "true"}, extra=("actor_rollout_ref.rollout.n=8",))
     assert argv[:3] == ["python", "-m", "trainer.main_ppo"]
     keys = dict(a.split("=", 1) for a in argv[3:])
+    # micro-batches that fit the YAML's 80 GB GPU (train.sh states the arithmetic)
+    assert keys["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "8"
+    assert keys["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] == "16"
+    assert keys["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] == "16"
+    assert keys["actor_rollout_ref.rollout.multi_turn.enable"] == "True"  # USE_RETRIEVAL: the search tool
     assert keys["algorithm.adv_estimator"] == "grpo"
     assert keys["data.source"] == "server" and keys["data.dataset"] == "gsm8k"
     assert keys["actor_rollout_ref.model.path"] == trainer.envs["MODEL_NAME"]
     assert keys["trainer.total_training_steps"] == "7"  # the --env override
     assert keys["data.train_batch_size"] == str(trainer.envs["TRAIN_BATCH_SIZE"])
     assert keys["trainer.logger"] == "['console','wandb']"  # the secret is set
-    assert (
+    assert (  # quoted, so Hydra reads the replica list as text rather than a sweep
         keys["services.retrieval_url"]
-        == "http://retrieval-server-0.g2:8002,http://retrieval-server-1.g2:8002"
+        == "'http://retrieval-server-0.g2:8002,http://retrieval-server-1.g2:8002'"
     )
-    assert keys["services.data_url"] == "http://data-server-0.g2:8000"
+    assert keys["services.data_url"] == "'http://data-server-0.g2:8000'"
     assert argv[-1] == "actor_rollout_ref.rollout.n=8"  # extra keys come last, so they win
 
 
@@ -330,8 +362,105 @@ def test_train_sh_refuses_retrieval_without_a_url():
     assert result.returncode == 2 and "RETRIEVAL_SERVER_URL" in result.stderr
 
 
-def trainer_dry_run(argv: list[str]) -> None:
-    """`python -m trainer.main_ppo --dry-run ...`: the trainer's own check of every key and value."""
+@pytest.mark.parametrize(
+    "word, on", [("true", True), ("True", True), ("1", True), ("yes", True), ("on", True),
+                 ("false", False), ("FALSE", False), ("0", False), ("no", False), ("", False)],
+)  # fmt: skip
+def test_train_sh_reads_every_flag_spelling(word, on):
+    urls = {"RETRIEVAL_SERVER_URL": "http://r:8002"}
+    keys = dict(a.split("=", 1) for a in train_sh_argv({**urls, "USE_RETRIEVAL": word, "DRY_RUN": "yes"})[3:])
+    assert ("actor_rollout_ref.rollout.multi_turn.enable" in keys) == on
+    assert (keys.get("services.retrieval_url") == "'http://r:8002'") == on
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "train.sh")],
+        env={"PATH": os.environ["PATH"], "USE_RETRIEVAL": "maybe", "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2 and "USE_RETRIEVAL=maybe is not a flag: use true/false" in done.stderr
+
+
+def test_skypilot_example_env_names_reach_the_trainer():
+    base = {"DATA_SERVER_URL": "http://d:8000"}
+    keys = dict(
+        a.split("=", 1)
+        for a in train_sh_argv(
+            {**base, "VAL_BATCH_SIZE": "64", "WANDB_PROJECT_NAME": "proj", "WANDB_EXPERIMENT_NAME": "exp"}
+        )[3:]
+    )
+    assert keys["data.val_batch_size"] == "64"
+    assert keys["trainer.project_name"] == "proj" and keys["trainer.experiment_name"] == "exp"
+    assert keys["trainer.default_local_dir"] == "checkpoints/proj/exp"
+    # our own names, when given, win over the example's
+    ours = dict(
+        a.split("=", 1) for a in train_sh_argv({**base, "WANDB_PROJECT_NAME": "p", "PROJECT_NAME": "q"})[3:]
+    )
+    assert ours["trainer.project_name"] == "q" and "data.val_batch_size" not in ours
+    # CHECKPOINT_BUCKET_NAME names the bucket of every YAML (test_checkpoints_on_a_bucket_and_resume_auto);
+    # the YAMLs declare the example's names, so `--env NAME=...` overrides reach the scripts
+    trainer = tasks_by_name(
+        load("verl-grpo.yaml", env={"WANDB_PROJECT_NAME": "cli", "VAL_BATCH_SIZE": "32"})
+    )[TRAINER]
+    keys = dict(a.split("=", 1) for a in train_sh_argv(trainer.envs)[3:])
+    assert keys["trainer.project_name"] == "cli" and keys["data.val_batch_size"] == "32"
+
+
+def serve_retrieval_dry_run(envs: dict, *args: str) -> list[list[str]]:
+    """The commands serve_retrieval.sh would run (DRY_RUN), each as its argv."""
+    env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent-home", "DRY_RUN": "true", **envs}
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "serve_retrieval.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return [block.split("\n") for block in done.stdout.strip().split("\n\n")]
+
+
+def test_skypilot_example_retrieval_env_names_reach_the_retrieval_server():
+    task = tasks_by_name(load("verl-grpo.yaml", env={"RETRIEVER_NAME": "bm25", "RETRIEVAL_TOPK": "5"}))[
+        "retrieval-server"
+    ]
+    build, serve = serve_retrieval_dry_run({**task.envs, "RETRIEVAL_PORT": "8002"})
+    assert build[2:4] == ["services.retrieval_server", "build"]
+    assert build[build.index("--index") + 1] == "bm25" and "--embedder" not in build
+    assert serve[2:4] == ["services.retrieval_server", "serve"]
+    assert serve[serve.index("--default-topk") + 1] == "5" and serve[serve.index("--port") + 1] == "8002"
+    dense, _ = serve_retrieval_dry_run(
+        {"RETRIEVAL_CORPUS": "c.jsonl", "RETRIEVER_NAME": "e5", "RETRIEVER_MODEL": "intfloat/e5-base-v2"}
+    )
+    assert dense[dense.index("--index") + 1] == "flat"
+    assert dense[dense.index("--embedder") + 1] == "intfloat/e5-base-v2"
+    # the trainer's search tool reads RETRIEVAL_TOPK too (verl resolves its config with OmegaConf)
+    from omegaconf import OmegaConf
+
+    tool = OmegaConf.load(JOBGROUP / "tools" / "search_tool_config.yaml").tools[0].config
+    os.environ["RETRIEVAL_TOPK"] = "5"
+    try:
+        assert OmegaConf.to_container(tool, resolve=True)["topk"] == 5
+    finally:
+        del os.environ["RETRIEVAL_TOPK"]
+
+
+def test_ray_uses_the_skypilot_examples_ports():
+    start_ray = (SCRIPTS / "start_ray.sh").read_text()
+    assert "port=${RAY_PORT:-6385}" in start_ray and "dashboard_port=${RAY_DASHBOARD_PORT:-8280}" in start_ray
+    for name in ALL_YAMLS:
+        task = next(t for t in load(name).tasks if accelerators(t))
+        assert str(task.envs["RAY_PORT"]) == "6385" and str(task.envs["RAY_DASHBOARD_PORT"]) == "8280"
+
+
+def trainer_dry_run(argv: list[str], *, only_refused: str | None = None) -> None:
+    """`python -m trainer.main_ppo --dry-run ...`: the trainer's own check of every key and value.
+
+    only_refused: the one problem allowed, e.g. the GPU count of a multi-GPU shape, which the
+    one-process trainer refuses until the distributed trainer lands.
+    """
     if not runnable("trainer.main_ppo"):
         pytest.skip("trainer.main_ppo is not built yet")
     result = subprocess.run(
@@ -342,6 +471,11 @@ def trainer_dry_run(argv: list[str]) -> None:
         text=True,
         timeout=120,
     )
+    if only_refused:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+        assert only_refused in errors[0]
+        return
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -352,6 +486,9 @@ def test_trainer_accepts_the_keys_train_sh_passes(name):
     argv = train_sh_argv(envs)
     assert argv[:3] == ["python", "-m", "trainer.main_ppo"]
     trainer_dry_run(argv[3:])
+    if name == "verl-grpo.yaml":  # the search tool: every key accepted, multi-turn itself not built yet
+        on = train_sh_argv({**envs, "USE_RETRIEVAL": "true"})
+        trainer_dry_run(on[3:], only_refused="actor_rollout_ref.rollout.multi_turn.enable: not supported")
 
 
 def multinode_trainer_argv(task, home: Path) -> list[str]:
@@ -397,7 +534,7 @@ def test_trainer_accepts_the_keys_multinode_submits(tmp_path):
     argv = multinode_trainer_argv(load("multinode.yaml").tasks[0], home=tmp_path)
     assert f"data.train_files={out}/train.parquet" in argv
     assert "reward_model.mode=local" in argv  # no reward-server in this shape
-    trainer_dry_run(argv)
+    trainer_dry_run(argv, only_refused="GPUs: multi-GPU training is not built yet")  # 2 nodes x 8 GPUs
 
 
 # ---------------------------------------------------------------- multinode.yaml

@@ -276,3 +276,47 @@ def test_a_taken_port_is_refused_naming_the_service(tmp_path):
         result = subprocess.run(argv, cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"error: data-server: port {port} is already in use" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "flag, given, expected",
+    [
+        (None, False, ["data", "reward"]),
+        (None, True, ["data", "reward", "retrieval"]),  # unset: an index given means retrieval
+        ("false", True, ["data", "reward"]),  # the flag decides when set, in any spelling
+        ("No", True, ["data", "reward"]),
+        ("0", True, ["data", "reward"]),
+        ("true", True, ["data", "reward", "retrieval"]),
+        ("YES", True, ["data", "reward", "retrieval"]),
+        ("1", True, ["data", "reward", "retrieval"]),
+    ],
+)
+def test_use_retrieval_is_read_as_a_flag(tmp_path, monkeypatch, flag, given, expected):
+    from jobgroup import local
+
+    monkeypatch.delenv("USE_RETRIEVAL", raising=False)
+    if flag is not None:
+        monkeypatch.setenv("USE_RETRIEVAL", flag)
+    extra = ["--retrieval-index", str(tmp_path)] if given else []
+    assert local.chosen_services(local.parse_args(["up", *extra])) == expected
+
+
+def test_use_retrieval_that_cannot_be_met_or_read_is_refused(tmp_path, monkeypatch):
+    from jobgroup import local
+
+    monkeypatch.setenv("USE_RETRIEVAL", "true")
+    with pytest.raises(local.GroupFailure, match="USE_RETRIEVAL is on: give --retrieval-index"):
+        local.chosen_services(local.parse_args(["up"]))
+    monkeypatch.setenv("USE_RETRIEVAL", "maybe")
+    with pytest.raises(local.GroupFailure, match="USE_RETRIEVAL=maybe is not a flag"):
+        local.chosen_services(local.parse_args(["up", "--retrieval-index", str(tmp_path)]))
+    done = subprocess.run(  # the launcher says so in one line and exits 1, starting nothing
+        [sys.executable, "-m", "jobgroup.local", "up", "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT,
+        env={**os.environ, "USE_RETRIEVAL": "maybe"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1 and "USE_RETRIEVAL=maybe is not a flag" in done.stdout

@@ -320,15 +320,20 @@ def verl_home(tmp_path, tiny_model, seven_data):
 @pytest.mark.parametrize("command", [PPO_QUICKSTART, GRPO_QWEN3], ids=["ppo-quickstart", "grpo-qwen3"])
 def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(verl_home))
-    port = free_port()
-    reward = start_reward_server(port)
     env = {
         "HOME": str(verl_home),
-        "REWARD_SERVER_URL": f"http://127.0.0.1:{port}",
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path),
         "PYTHONUNBUFFERED": "1",
     }
+    # The PPO quickstart runs as verl's users run it, with no reward-server: scored in-process. The GRPO
+    # command runs as the job group does, with REWARD_SERVER_URL set: scored by the reward-server.
+    reward = None
+    if command is GRPO_QWEN3:
+        port = free_port()
+        reward = start_reward_server(port)
+        env["REWARD_SERVER_URL"] = f"http://127.0.0.1:{port}"
+    base = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_URL"}
     try:
         done = subprocess.run(
             [sys.executable, "-m", "trainer.main_ppo", *argv_of(small(command))],
@@ -336,11 +341,13 @@ def test_seed_commands_run_as_written(verl_home, command, monkeypatch, tmp_path)
             capture_output=True,
             text=True,
             timeout=600,
-            env={**os.environ, **env},
+            env={**base, **env},
         )
     finally:
-        stop_process(reward)
+        if reward is not None:
+            stop_process(reward)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"  mode: {'server' if reward else 'local'}" in done.stdout.splitlines()
     assert "step:1 - " in done.stdout
     assert "val-core/openai/gsm8k/acc/mean@1" in done.stdout
     if command is PPO_QUICKSTART:

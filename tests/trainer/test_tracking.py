@@ -11,15 +11,20 @@ import pytest
 import torch
 
 from trainer.tracking import (
+    SUMMARY_FILE,
     Tracker,
+    backend_run,
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
     format_console_line,
     max_memory_allocated_gb,
+    memory_metrics,
     mfu,
     peak_flops_per_gpu,
+    progress_metrics,
     reduce_metrics,
+    timed,
     timer,
     training_flops,
 )
@@ -187,6 +192,37 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_id(tmp_path, m
     assert json.loads(table_file.read_text())["data"] == [[2, "1+1?", "2", 1.0]]
 
 
+def test_user_run_ids_and_resume_modes_win(tmp_path, monkeypatch):
+    for var in ("WANDB_RUN_ID", "WANDB_RESUME", "SWANLAB_RUN_ID", "SWANLAB_RESUME"):
+        monkeypatch.delenv(var, raising=False)
+    assert backend_run("wandb", "ours") == ("ours", "allow")  # nothing set: our id, reopened on resume
+    monkeypatch.setenv("WANDB_RUN_ID", "theirs")
+    monkeypatch.setenv("WANDB_RESUME", "must")
+    monkeypatch.setenv("SWANLAB_RESUME", "never")
+    assert backend_run("wandb", "ours") == ("theirs", "must")
+    assert backend_run("swanlab", "ours") == ("ours", "never")  # each backend reads its own variables
+    monkeypatch.setenv("SWANLAB_RUN_ID", "swan")
+    assert backend_run("swanlab", "ours") == ("swan", "never")
+    # the tracker's own id (stored in checkpoints) is the user's only for a backend that is logged to
+    with make_tracker(tmp_path, ["jsonl"]) as plain:
+        assert plain.run_id not in ("theirs", "swan")
+
+
+def test_wandb_run_uses_the_users_run_id(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is an optional extra (rl-jobgroup[loggers])")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_RUN_ID", "userrun123")
+    monkeypatch.setenv("WANDB_RESUME", "allow")
+    config = {"actor_rollout_ref": {"rollout": {"name": "vllm", "engine": "hf"}}}
+    with make_tracker(tmp_path, ["wandb"], config=config) as tracker:
+        tracker.log({"critic/score/mean": 0.25}, step=1)
+    assert tracker.run_id == "userrun123"  # stored in checkpoints, so a resume reopens the same run
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*-userrun123"))
+    summary = json.loads((tmp_path / "run" / SUMMARY_FILE).read_text())
+    assert summary == {"rollout_engine": "hf", "rollout_engine_requested": "vllm"}
+
+
 def test_swanlab_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("swanlab", reason="swanlab is an optional extra (rl-jobgroup[loggers])")
     try:
@@ -344,10 +380,24 @@ def test_reduce_metrics_and_timer():
     assert 0.1 <= timings["gen"] < 2.0 and timings["reward"] < 1.0
 
 
+def test_verl_progress_memory_and_save_timing_metrics():
+    assert progress_metrics(12, 3) == {"training/global_step": 12, "training/epoch": 3}
+    memory = memory_metrics()
+    assert 0 < memory["perf/cpu_memory_used_gb"] < 1e4  # GiB, not bytes
+    if not torch.cuda.is_available():
+        assert set(memory) == {"perf/cpu_memory_used_gb"}
+    calls = []
+    timing = timed("save_checkpoint", calls.append, "step-3")
+    assert calls == ["step-3"] and list(timing) == ["timing_s/save_checkpoint"]
+    assert timing["timing_s/save_checkpoint"] >= 0
+
+
 @pytest.mark.gpu
 def test_gpu_peak_flops_and_peak_memory():
     block = torch.ones(1024, 1024, device="cuda")  # 4 MiB
     assert max_memory_allocated_gb() >= 4 / 1024
+    memory = memory_metrics()
+    assert memory["perf/max_memory_reserved_gb"] >= memory["perf/max_memory_allocated_gb"] >= 4 / 1024
     name = torch.cuda.get_device_name()
     if "H100" in name or "H200" in name:
         assert peak_flops_per_gpu() == peak_flops_per_gpu(name) in (989e12, 756e12)

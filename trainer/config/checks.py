@@ -1,0 +1,236 @@
+"""Startup checks: what stops a run before any work starts, and what it should say once at start.
+
+The rule: refuse what verl refuses (its validate_config, its workers' asserts) and what cannot work here;
+accept the rest, as verl does. `problems` returns one line per problem, each naming the keys involved;
+`notices` returns the lines printed once at start (an engine substituted, verl keys with no effect).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.config.run import Config
+
+GPUS = "trainer.nnodes * trainer.n_gpus_per_node"
+
+
+def problems(config: Config) -> list[str]:
+    found = [
+        *single_process_problems(config),
+        *batch_size_problems(config),
+        *path_problems(config),
+        *algorithm_problems(config),
+    ]
+    return [p for p in found if p]
+
+
+def single_process_problems(config: Config) -> list[str]:
+    """The trainer is one process today: a world size it cannot use is refused, not silently shrunk.
+
+    Remove this check (and its test) when the distributed trainer lands.
+    """
+    if config.world_size == 1:
+        return []
+    return [
+        f"{GPUS} = {config.world_size} GPUs: multi-GPU training is not built yet; this trainer runs one "
+        "process on one GPU (or the CPU). Set trainer.nnodes=1 trainer.n_gpus_per_node=1"
+    ]
+
+
+def notices(config: Config) -> list[str]:
+    lines = []
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name in ("sglang", "vllm"):
+        lines.append(
+            f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
+            f"engine ({rollout.engine}: transformers generate) generates instead"
+        )
+    if rollout.n > 1 and not rollout.do_sample:
+        lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
+    if config.no_effect_keys:
+        lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------- batch sizes
+
+
+def mini_batch_problems(
+    prefix: str, mini: int, micro_per_gpu: int | None, micro_global: int | None, config: Config
+) -> list[str]:
+    """verl's checks of one trained model's mini/micro batch sizes (actor or critic).
+
+    verl does not require ppo_mini_batch_size to divide data.train_batch_size (the last mini-batch is
+    smaller), nor the sequences to split evenly over the GPUs (each GPU takes the floor).
+    """
+    batch, n, world = config.data.train_batch_size, config.actor_rollout_ref.rollout.n, config.world_size
+    per_gpu = mini * n // world
+    if mini > batch:
+        return [f"{prefix}.ppo_mini_batch_size ({mini}) is larger than data.train_batch_size ({batch})"]
+    if per_gpu == 0:
+        return [
+            f"{prefix}.ppo_mini_batch_size * actor_rollout_ref.rollout.n = {mini * n} sequences is fewer "
+            f"than the {world} GPU(s) ({GPUS})"
+        ]
+    if micro_global is not None and micro_global < world:
+        return [
+            f"{prefix}.ppo_micro_batch_size ({micro_global}, deprecated, global) is fewer than {world} GPUs"
+        ]
+    if micro_per_gpu is not None and per_gpu % micro_per_gpu:
+        return [
+            f"{prefix}.ppo_mini_batch_size * actor_rollout_ref.rollout.n / GPUs = {per_gpu} sequences per "
+            f"GPU must be divisible by {prefix}.ppo_micro_batch_size_per_gpu ({micro_per_gpu})"
+        ]
+    return []
+
+
+def batch_size_problems(config: Config) -> list[str]:
+    arr, critic, data = config.actor_rollout_ref, config.critic, config.data
+    actor, rollout, n, world = arr.actor, arr.rollout, arr.rollout.n, config.world_size
+    found = []
+    if (data.train_batch_size * n) % world:
+        found.append(
+            f"data.train_batch_size * actor_rollout_ref.rollout.n = {data.train_batch_size * n} responses "
+            f"per step must split evenly over {world} GPU(s) ({GPUS})"
+        )
+    found += mini_batch_problems(
+        "actor_rollout_ref.actor",
+        actor.ppo_mini_batch_size,
+        actor.ppo_micro_batch_size_per_gpu,
+        actor.ppo_micro_batch_size,
+        config,
+    )
+    if config.use_critic:
+        found += mini_batch_problems(
+            "critic",
+            critic.ppo_mini_batch_size,
+            critic.ppo_micro_batch_size_per_gpu,
+            critic.ppo_micro_batch_size,
+            config,
+        )
+    if world % rollout.tensor_model_parallel_size:
+        found.append(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size "
+            f"({rollout.tensor_model_parallel_size}) must divide the {world} GPU(s) ({GPUS})"
+        )
+    return found
+
+
+# ---------------------------------------------------------------------------------------- paths
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or path in (".", "..")
+
+
+def model_path_problem(key: str, path: str) -> str | None:
+    """None when `path` is an existing model folder or .gguf file, or has the shape of a hub id
+    (`org/name`, or `org/name/file.gguf` for a GGUF file in a hub repo); else what is wrong."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists() and not any(local.glob("*.gguf")):
+            return f"{key}: folder {path} holds neither config.json nor a .gguf file"
+        return None
+    if local.is_file():
+        return None if local.suffix == ".gguf" else f"{key}: {path} is a file but not a .gguf file"
+    hub_shaped = path.count("/") >= 2 if path.endswith(".gguf") else path.count("/") <= 1
+    if path and hub_shaped and not _looks_local(path):
+        return None
+    return (
+        f"{key}: {path} does not exist (give a local folder, a .gguf file or a hub id like "
+        "Qwen/Qwen2.5-0.5B-Instruct)"
+    )
+
+
+def _file_problems(key: str, files: list[str] | None) -> list[str]:
+    found = []
+    for file in files or []:
+        path = Path(file).expanduser()
+        if not path.is_file():
+            found.append(f"{key}: {file} does not exist")
+        elif path.suffix not in (".parquet", ".jsonl", ".json"):
+            found.append(f"{key}: {file} is not a .parquet or .jsonl file")
+    return found
+
+
+def _data_problems(config: Config) -> list[str]:
+    data = config.data
+    if data.source == "files":
+        missing = [] if data.train_files else ["data.source=files needs data.train_files"]
+        return (
+            missing
+            + _file_problems("data.train_files", data.train_files)
+            + _file_problems("data.val_files", data.val_files)
+        )
+    found = [
+        f"data.{key} is set but data.source=server reads from the data-server"
+        for key in ("train_files", "val_files")
+        if getattr(data, key)
+    ]
+    if not config.services.data_url:
+        found.append("data.source=server needs services.data_url (or env DATA_SERVER_URL)")
+    return found
+
+
+def path_problems(config: Config) -> list[str | None]:
+    arr, trainer = config.actor_rollout_ref, config.trainer
+    found: list[str | None] = _data_problems(config)
+    if config.reward_model.mode == "server" and not config.services.reward_url:
+        found.append("reward_model.mode=server needs services.reward_url (or env REWARD_SERVER_URL)")
+    found.append(model_path_problem("actor_rollout_ref.model.path", arr.model.path))
+    if config.data.tokenizer:
+        found.append(model_path_problem("data.tokenizer", config.data.tokenizer))
+    if config.use_critic and config.critic.model.path != arr.model.path:
+        found.append(model_path_problem("critic.model.path", config.critic.model.path or ""))
+    reward_file = config.custom_reward_function.path
+    if reward_file and not Path(reward_file).expanduser().is_file():
+        found.append(f"custom_reward_function.path: {reward_file} does not exist")
+    if trainer.resume_mode == "resume_path":
+        if not trainer.resume_from_path:
+            found.append("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        elif not Path(trainer.resume_from_path).expanduser().is_dir():
+            found.append(f"trainer.resume_from_path: {trainer.resume_from_path} is not a folder")
+    return found
+
+
+# ---------------------------------------------------------------------------------------- algorithm
+
+
+def algorithm_problems(config: Config) -> list[str]:
+    """What cannot work: a critic-less GAE, a group of one to filter, an adaptive KL aimed at 0, ..."""
+    arr, algo, data = config.actor_rollout_ref, config.algorithm, config.data
+    found = []
+    if algo.adv_estimator == "gae" and not config.use_critic:
+        found.append("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
+    if algo.filter_groups.enable and arr.rollout.n < 2:
+        found.append(
+            "algorithm.filter_groups.enable needs actor_rollout_ref.rollout.n >= 2 (a group of one never "
+            "varies)"
+        )
+    if arr.rollout.val_kwargs.do_sample and arr.rollout.temperature <= 0:
+        found.append(  # verl's own check, on the same (training) temperature
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true needs "
+            "actor_rollout_ref.rollout.temperature > 0"
+        )
+    if algo.kl_ctrl.type == "adaptive" and algo.kl_ctrl.target_kl <= 0:
+        found.append("algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl > 0")
+    buffer = config.reward_model.overlong_buffer
+    if buffer.enable and not 0 < buffer.len <= data.max_response_length:
+        found.append(
+            f"reward_model.overlong_buffer.len ({buffer.len}) must be in 1..data.max_response_length "
+            f"({data.max_response_length})"
+        )
+    unsupported = {
+        "actor_rollout_ref.model.lora_rank": arr.model.lora_rank != 0,
+        "critic.model.lora_rank": config.critic.model.lora_rank != 0,
+        "actor_rollout_ref.rollout.multi_turn.enable": arr.rollout.multi_turn.enable,
+        "data.custom_cls.path": data.custom_cls.path is not None,
+    }
+    found += [
+        f"{key}: not supported by this trainer (leave it at its default)"
+        for key, bad in unsupported.items()
+        if bad
+    ]
+    return found

@@ -1,0 +1,148 @@
+"""Derived values: every `null: <rule>` default becomes a concrete value, so the printed config is what runs.
+
+verl derives the same values in its workers (mini-batches times rollout.n, deprecated global micro-batches
+divided by the GPU count, the critic inheriting the actor's sizes); here they are derived once, when the
+config is built, and every consumer reads the result.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from trainer.config.run import Config
+    from trainer.config.schema import Section
+
+# What generates for each rollout.name. sglang and vllm are not wired in yet: the built-in engine
+# (transformers generate) runs instead, and trainer/config/checks.py says so at start.
+ENGINE_USED = {"hf": "hf", "builtin": "hf", "sglang": "hf", "vllm": "hf"}
+
+
+def per_gpu(global_size: int | None, world: int) -> int | None:
+    """A global batch size split over the GPUs, rounded down as verl's workers do (None stays None)."""
+    return None if global_size is None else global_size // world
+
+
+def fill_derived(config: Config) -> None:
+    """Fill every derived value in place (the Config validator calls this once)."""
+    data, arr, critic = config.data, config.actor_rollout_ref, config.critic
+    actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+    world, n = config.world_size, rollout.n
+    if data.source is None:
+        data.source = "files" if data.train_files else "server"
+    data.seed = config.trainer.seed if data.seed is None else data.seed
+    data.gen_batch_size = data.gen_batch_size or data.train_batch_size
+    rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
+    rollout.response_length = rollout.response_length or data.max_response_length
+    rollout.engine = ENGINE_USED[rollout.name]
+    actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+    actor.loss_scale_factor = actor.loss_scale_factor or data.max_response_length
+    for optim in (actor.optim, critic.optim):
+        optim.lr_scheduler_type = optim.warmup_style or optim.lr_scheduler_type
+        optim.min_lr_ratio = optim.min_lr_ratio or 0.0
+    _adopt_global(actor, "ppo_micro_batch_size", world, per_gpu(actor.ppo_mini_batch_size * n, world))
+    for section in (rollout, ref):
+        _adopt_global(section, "log_prob_micro_batch_size", world, actor.ppo_micro_batch_size_per_gpu)
+    _fill_critic(config)
+    if config.reward_model.mode == "auto":
+        # verl scores in-process; a reward-server is used when one is configured (the job group does).
+        config.reward_model.mode = "server" if config.services.reward_url else "local"
+    _expand_home(config)
+    resolve_references(config)
+
+
+def _adopt_global(section: Section, old: str, world: int, fallback: int | None) -> None:
+    """Set `<old>_per_gpu` from verl's deprecated global `<old>` (which is then cleared), else `fallback`.
+
+    A global size smaller than the GPU count stays put for trainer/config/checks.py to report.
+    """
+    new = f"{old}_per_gpu"
+    if getattr(section, new) is not None:
+        return
+    divided = per_gpu(getattr(section, old), world)
+    if divided:
+        setattr(section, old, None)
+    setattr(section, new, divided or fallback)
+
+
+def _fill_critic(config: Config) -> None:
+    critic, arr = config.critic, config.actor_rollout_ref
+    actor, world, n = arr.actor, config.world_size, arr.rollout.n
+    if critic.enable is None:
+        critic.enable = config.algorithm.adv_estimator == "gae"
+    critic.model.path = critic.model.path or arr.model.path
+    if critic.model.trust_remote_code is None:
+        critic.model.trust_remote_code = arr.model.trust_remote_code
+    critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
+    critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
+    critic.shuffle = actor.shuffle if critic.shuffle is None else critic.shuffle
+    critic.loss_agg_mode = critic.loss_agg_mode or actor.loss_agg_mode
+    _adopt_global(critic, "ppo_micro_batch_size", world, per_gpu(critic.ppo_mini_batch_size * n, world))
+    _adopt_global(critic, "forward_micro_batch_size", world, critic.ppo_micro_batch_size_per_gpu)
+
+
+def _expand_home(config: Config) -> None:
+    """`~/...` paths become absolute once, so no consumer has to remember expanduser."""
+
+    def expand(path: str | None) -> str | None:
+        return os.path.expanduser(path) if path and path.startswith("~") else path
+
+    data, arr, trainer = config.data, config.actor_rollout_ref, config.trainer
+    data.train_files = [expand(f) for f in data.train_files] if data.train_files else data.train_files
+    data.val_files = [expand(f) for f in data.val_files] if data.val_files else data.val_files
+    data.tokenizer = expand(data.tokenizer)
+    arr.model.path = expand(arr.model.path)
+    config.critic.model.path = expand(config.critic.model.path)
+    config.custom_reward_function.path = expand(config.custom_reward_function.path)
+    trainer.resume_from_path = expand(trainer.resume_from_path)
+    trainer.default_local_dir = expand(trainer.default_local_dir)
+    trainer.log_dir = expand(trainer.log_dir)
+
+
+def deprecated_conflicts(config: Config) -> list[str]:
+    """verl refuses a deprecated global micro-batch given together with its per-GPU replacement."""
+    arr = config.actor_rollout_ref
+    pairs = [
+        ("actor_rollout_ref.actor", arr.actor, "ppo_micro_batch_size"),
+        ("actor_rollout_ref.rollout", arr.rollout, "log_prob_micro_batch_size"),
+        ("actor_rollout_ref.ref", arr.ref, "log_prob_micro_batch_size"),
+        ("critic", config.critic, "ppo_micro_batch_size"),
+        ("critic", config.critic, "forward_micro_batch_size"),
+    ]
+    return [
+        f"set only one of {prefix}.{old} (deprecated, global) and {prefix}.{old}_per_gpu"
+        for prefix, section, old in pairs
+        if getattr(section, old) is not None and getattr(section, f"{old}_per_gpu") is not None
+    ]
+
+
+def resolve_references(config: Config) -> None:
+    """Resolve `${...}` left in text values (the checkpoint folder's default) with OmegaConf.
+
+    load_config resolves the user's references before validation; this covers a Config built directly
+    (`Config()`, `Config.model_validate(...)`), whose defaults still hold references.
+    """
+    holders = list(_text_with_references(config, ""))
+    if not holders:
+        return
+    tree = OmegaConf.create(config.model_dump(mode="json"))
+    for section, name, key in holders:
+        try:
+            setattr(section, name, str(OmegaConf.select(tree, key, throw_on_missing=True)))
+        except OmegaConfBaseException as exc:
+            raise ValueError(f"{key}: {str(exc).splitlines()[0]}") from None
+
+
+def _text_with_references(section: BaseModel, prefix: str):
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            yield from _text_with_references(value, f"{prefix}{name}.")
+        elif isinstance(value, str) and "${" in value:
+            yield section, name, f"{prefix}{name}"

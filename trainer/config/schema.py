@@ -1,0 +1,398 @@
+"""The typed schema: verl's `main_ppo` key tree as far as this trainer acts on it, every default here.
+
+One pydantic model per verl section. Only keys that change what the trainer does are fields; verl keys
+that change nothing here are accepted by name (trainer/config/accepted.py) and reported once at start.
+A default written `null: <rule>` is filled in by trainer/config/derive.py when the config is built, so
+the printed config is what runs. Torch-free: the CLI, the docs and the launcher tests import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb", "swanlab"]
+SECRET_KEYS = frozenset({"services.auth_token"})
+
+
+class Section(BaseModel):
+    # protected_namespaces=(): verl names keys `model_*`. Numbers given for text keys (an experiment
+    # called 007 in YAML) become text, as OmegaConf's string nodes make them in verl.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), coerce_numbers_to_str=True)
+
+
+def _one_or_many(value: Any) -> Any:
+    """verl accepts one item where a list is expected (`trainer.logger=console`)."""
+    return [value] if isinstance(value, str) else value
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+class CustomClass(Section):
+    path: str | None = Field(
+        None, description="File defining a custom dataset class. Not supported: must stay null."
+    )
+
+
+class DataConfig(Section):
+    source: Literal["files", "server"] | None = Field(
+        None,
+        description="Where prompts come from. null: `files` when data.train_files is set, else `server`.",
+    )
+    train_files: list[str] | None = Field(
+        None,
+        description="Training parquet/jsonl file(s) of verl rows (data.source=files). One path or a list.",
+    )
+    val_files: list[str] | None = Field(
+        None, description="Validation parquet/jsonl file(s) (data.source=files). null: no validation set."
+    )
+    dataset: str = Field("gsm8k", description="Dataset name on the data-server (data.source=server).")
+    train_split: str = Field("train", description="Data-server split used for training.")
+    val_split: str | None = Field("test", description="Data-server split used for validation; null: none.")
+    tokenizer: str | None = Field(
+        None, description="Tokenizer path or hub id. null: the policy model's tokenizer."
+    )
+    prompt_key: str = Field("prompt", description="Row field holding the chat messages (or a plain string).")
+    reward_fn_key: str = Field("data_source", description="Row field that selects the reward scorer.")
+    max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens, chat template included.")
+    max_response_length: int = Field(512, ge=1, description="Most tokens generated per response.")
+    train_batch_size: int = Field(
+        1024, ge=1, description="Prompts per training step (responses: times rollout.n)."
+    )
+    val_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts per validation generation call. null: the whole validation set at once.",
+    )
+    gen_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO dynamic sampling: prompts generated per round. null: data.train_batch_size.",
+    )
+    shuffle: bool = Field(
+        True,
+        description="data.source=files: shuffle training prompts, a new seeded order every epoch "
+        "(the data-server always shuffles, with its own --seed).",
+    )
+    seed: int | None = Field(
+        None, description="data.source=files: seed of the epoch orders. null: trainer.seed."
+    )
+    filter_overlong_prompts: bool = Field(
+        False, description="Drop prompts longer than data.max_prompt_length instead of truncating them."
+    )
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error",
+        description="A prompt longer than data.max_prompt_length: error stops the run; left keeps the end; "
+        "right keeps the start; middle keeps both ends.",
+    )
+    apply_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra arguments of tokenizer.apply_chat_template, e.g. {enable_thinking: false}.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow the tokenizer's own Python code (hub repos).")
+    custom_cls: CustomClass = Field(
+        default_factory=CustomClass, description="Custom dataset class (unsupported)."
+    )
+
+    _files = field_validator("train_files", "val_files", mode="before")(_one_or_many)
+
+
+# ---------------------------------------------------------------------------------------- model / actor
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "Qwen/Qwen2.5-0.5B-Instruct", description="Policy weights: a hub id, a local folder, or a .gguf file."
+    )
+    custom_chat_template: str | None = Field(
+        None, description="Jinja chat template replacing the tokenizer's."
+    )
+    trust_remote_code: bool = Field(False, description="Allow the model repo's own Python code.")
+    enable_gradient_checkpointing: bool = Field(
+        True, description="Recompute activations in backward to save memory."
+    )
+    lora_rank: int = Field(0, ge=0, description="LoRA rank. Only 0 (full fine-tuning) is supported.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    lr_warmup_steps: int | None = Field(
+        -1, description="Linear warm-up steps; wins over the ratio. -1 or null: use lr_warmup_steps_ratio."
+    )
+    lr_warmup_steps_ratio: float = Field(
+        0.0, ge=0, le=1, description="Warm-up steps as a fraction of all steps."
+    )
+    lr_scheduler_type: Literal["constant", "cosine"] = Field(
+        "constant", description="Schedule after warm-up (cosine: one half cosine down to min_lr_ratio)."
+    )
+    warmup_style: Literal["constant", "cosine"] | None = Field(
+        None, description="Older verl name of lr_scheduler_type; when set it wins."
+    )
+    min_lr_ratio: float | None = Field(
+        0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr (null: 0)."
+    )
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    optimizer: Literal["AdamW"] = Field("AdamW", description="Optimizer class (only AdamW).")
+
+
+class PolicyLossConfig(Section):
+    loss_mode: Literal["vanilla"] = Field("vanilla", description="Policy loss: PPO clip (vanilla) only.")
+
+
+class ActorConfig(Section):
+    ppo_mini_batch_size: int = Field(
+        256,
+        ge=1,
+        description="Prompts per optimizer step; each step updates on this many prompts * rollout.n "
+        "sequences. Need not divide data.train_batch_size: the last mini-batch is then smaller (as verl).",
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per forward/backward on one GPU (gradient accumulation). "
+        "null: the whole per-GPU mini-batch at once.",
+    )
+    ppo_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Deprecated global micro-batch: divided by the GPU count into "
+        "ppo_micro_batch_size_per_gpu.",
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch of rollouts.")
+    shuffle: bool = Field(False, description="Reshuffle sequences between PPO epochs.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    clip_ratio: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip epsilon; default of clip_ratio_low/high."
+    )
+    clip_ratio_low: float | None = Field(
+        None, ge=0, lt=1, description="Lower clip: the ratio is kept >= 1 - this. null: clip_ratio."
+    )
+    clip_ratio_high: float | None = Field(
+        None,
+        ge=0,
+        description="Upper clip: the ratio is kept <= 1 + this (DAPO clip-higher). null: clip_ratio.",
+    )
+    clip_ratio_c: float = Field(
+        3.0, gt=1, description="Dual-clip constant: bounds the loss of negative advantages."
+    )
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description="How token losses are averaged into one number."
+    )
+    loss_scale_factor: int | None = Field(
+        None, ge=1, description="seq-mean-token-sum-norm (Dr.GRPO) divisor. null: data.max_response_length."
+    )
+    entropy_coeff: float = Field(0.0, description="Weight of the entropy bonus (subtracted from the loss).")
+    use_kl_loss: bool = Field(False, description="Add KL(policy || reference) to the loss (GRPO style).")
+    kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss.")
+    kl_loss_type: KLType = Field(
+        "low_var_kl", description="KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3."
+    )
+    policy_loss: PolicyLossConfig = Field(
+        default_factory=PolicyLossConfig, description="Policy loss variant."
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+
+
+# ---------------------------------------------------------------------------------------- rollout / ref
+
+
+class ValKwargs(Section):
+    temperature: float = Field(0.0, ge=0, description="Validation sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Validation top-k (-1 or 0: off).")
+    n: int = Field(1, ge=1, description="Responses per validation prompt.")
+    do_sample: bool = Field(False, description="Sample during validation; false: greedy.")
+
+
+class MultiTurnConfig(Section):
+    enable: bool = Field(
+        False, description="Multi-turn tool-calling rollouts. Not supported yet: must stay false."
+    )
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "builtin", "sglang", "vllm"] = Field(
+        "hf",
+        description="Generation engine asked for. hf / builtin: the built-in engine (transformers "
+        "generate); sglang / vllm: not wired in yet, the built-in engine generates instead (said at start).",
+    )
+    engine: str | None = Field(
+        None,
+        description="Set when the config is built: the engine that actually generates. Do not set.",
+    )
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 or 0: off).")
+    do_sample: bool = Field(True, description="Sample; false: greedy decoding.")
+    n: int = Field(1, ge=1, description="Responses per prompt (the group size of GRPO/RLOO; > 1 for them).")
+    prompt_length: int | None = Field(
+        None, ge=1, description="Longest prompt for the engine. null: data.max_prompt_length."
+    )
+    response_length: int | None = Field(
+        None, ge=1, description="Most new tokens per response. null: data.max_response_length."
+    )
+    stop: list[str] = Field(default_factory=list, description="Strings that end a response (kept in it).")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a response, besides EOS."
+    )
+    tensor_model_parallel_size: int = Field(
+        1, ge=1, description="Engine tensor parallel size; must divide the GPU count (as verl checks)."
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per forward when recomputing old logprobs. null: actor's micro-batch.",
+    )
+    log_prob_micro_batch_size: int | None = Field(
+        None, ge=1, description="Deprecated global form of log_prob_micro_batch_size_per_gpu."
+    )
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling used for validation.")
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig, description="Multi-turn rollouts (unsupported)."
+    )
+
+
+class RefConfig(Section):
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        None, ge=1, description="Sequences per reference forward. null: the actor's micro-batch."
+    )
+    log_prob_micro_batch_size: int | None = Field(
+        None, ge=1, description="Deprecated global form of log_prob_micro_batch_size_per_gpu."
+    )
+
+
+class ActorRolloutRefConfig(Section):
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="The policy model (also the reference)."
+    )
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy training.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    ref: RefConfig = Field(default_factory=RefConfig, description="Frozen reference policy for the KL terms.")
+
+
+# ---------------------------------------------------------------------------------------- critic / reward
+
+
+class CriticModelConfig(Section):
+    path: str | None = Field(
+        None, description="Critic weights (a value head is added). null: the policy model's path."
+    )
+    trust_remote_code: bool | None = Field(
+        None, description="null: actor_rollout_ref.model.trust_remote_code."
+    )
+    enable_gradient_checkpointing: bool = Field(True, description="Recompute activations in backward.")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank. Only 0 is supported.")
+
+
+class CriticConfig(Section):
+    enable: bool | None = Field(
+        None, description="Train a critic. null: only when algorithm.adv_estimator=gae."
+    )
+    model: CriticModelConfig = Field(default_factory=CriticModelConfig, description="The value model.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimizer.")
+    ppo_mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts per critic optimizer step. null: actor_rollout_ref.actor.ppo_mini_batch_size.",
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per critic forward/backward on one GPU. null: the whole per-GPU mini-batch.",
+    )
+    ppo_micro_batch_size: int | None = Field(None, ge=1, description="Deprecated global critic micro-batch.")
+    forward_micro_batch_size_per_gpu: int | None = Field(
+        None, ge=1, description="Sequences per value forward. null: critic.ppo_micro_batch_size_per_gpu."
+    )
+    forward_micro_batch_size: int | None = Field(
+        None, ge=1, description="Deprecated global form of the above."
+    )
+    ppo_epochs: int | None = Field(
+        None, ge=1, description="Critic passes per batch. null: the actor's ppo_epochs."
+    )
+    shuffle: bool | None = Field(None, description="Reshuffle between epochs. null: the actor's shuffle.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the critic's gradient norm.")
+    cliprange_value: float = Field(
+        0.5, gt=0, description="Value clipping: new values stay within old +- this."
+    )
+    loss_agg_mode: LossAggMode | None = Field(None, description="Value loss aggregation. null: the actor's.")
+
+
+class OverlongBuffer(Section):
+    enable: bool = Field(False, description="DAPO overlong penalty on responses near the length limit.")
+    len: int = Field(
+        0, ge=0, description="Buffer before max_response_length where the penalty grows linearly."
+    )
+    penalty_factor: float = Field(1.0, ge=0, description="Penalty at the length limit.")
+    log: bool = Field(False, description="Log the penalty as a metric.")
+
+
+class RewardModelConfig(Section):
+    mode: Literal["auto", "server", "local"] = Field(
+        "auto",
+        description="server: score through the reward-server; local: the same scorers in-process (verl's "
+        "default). auto: server when a reward-server is configured (services.reward_url or "
+        "$REWARD_SERVER_URL), else local.",
+    )
+    overlong_buffer: OverlongBuffer = Field(
+        default_factory=OverlongBuffer, description="DAPO overlong penalty."
+    )
+    gsm8k_method: Literal["strict", "flexible"] = Field(
+        "strict",
+        description="GSM8K answers: strict = the last '#### N' (verl's default); flexible = the last number.",
+    )
+    format_score: float = Field(
+        0.0, description="Score of an answer that was found but is wrong (verl's format_score)."
+    )
+
+
+class CustomRewardFunction(Section):
+    path: str | None = Field(
+        None,
+        description="Python file with a verl-style compute_score(data_source, solution_str, ground_truth, "
+        "extra_info); used by reward_model.mode=local instead of the built-in scorers.",
+    )
+    name: str = Field("compute_score", description="Function name in that file.")
+
+
+# ---------------------------------------------------------------------------------------- algorithm / trainer
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="KL-in-reward coefficient: fixed or adaptive."
+    )
+    kl_coef: float = Field(0.001, ge=0, description="(Initial) KL-in-reward coefficient.")
+    horizon: int = Field(10000, gt=0, description="adaptive: steps over which the coefficient adapts.")
+    target_kl: float = Field(0.1, ge=0, description="adaptive: KL the controller steers to.")
+
+
+class FilterGroupsConfig(Section):
+    enable: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose scores are all equal, refill."
+    )
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field(
+        "acc", description="Per-response value whose zero variance drops a group."
+    )
+    max_num_gen_batches: int = Field(0, description="Most generation rounds per step; <= 0: no limit.")
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: AdvEstimator = Field("gae", description="Advantage estimator; gae trains a critic (PPO).")
+    norm_adv_by_std_in_grpo: bool = Field(
+        True, description="GRPO: divide by the group's std (false: Dr.GRPO)."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (gae, reinforce_plus_plus).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    use_kl_in_reward: bool = Field(False, description="Subtract a KL penalty from the token rewards.")
+    kl_penalty: KLType = Field("kl", description="KL estimator used in the reward.")
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description="KL-in-reward controller.")
+    filter_groups: FilterGroupsConfig = Field(
+        default_factory=FilterGroupsConfig, description="DAPO dynamic sampling."
+    )
