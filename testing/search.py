@@ -137,3 +137,71 @@ class ScriptedReplica:
 
     async def close(self) -> None:
         pass
+
+
+# ------------------------------------------------------------------------------------------ warm start
+
+SEARCH_TURN = "<search> river </search>"
+ANSWERS = ("<answer> 7 </answer>", "<answer> 9 </answer>")  # digits: no letter of "answer" to confuse
+
+
+def short_search_row(index: int) -> dict:
+    """A verl row (data_source nq) with a short prompt: a CPU-sized stand-in for Search-R1's, whose
+    instruction alone is ~500 characters. The answer is always 7."""
+    question = QA_ROWS[index % len(QA_ROWS)]["question"]
+    return {
+        "data_source": "nq",
+        "prompt": [{"role": "user", "content": f"{question} Search, then answer 7 or 9."}],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["7"]}},
+        "extra_info": {"index": index},
+    }
+
+
+def teach_search_format(
+    model_dir: str | Path,
+    rows: list[dict],
+    *,
+    steps: int = 80,
+    lr: float = 5e-3,
+    seed: int = 0,
+    device: str = "cpu",
+) -> float:
+    """Fine-tune the tiny model in `model_dir` (in place) to use Search-R1's format on these verl rows:
+    after the prompt it writes `<search> river </search>`, and after an `<information>` block it
+    answers `<answer> 7 </answer>` or `<answer> 9 </answer>`, half and half. A random model never
+    calls the tool; this one does, and its answers vary, so GRPO has a signal. Returns the last loss.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    pairs: list[tuple[list[int], list[int]]] = []  # (context ids, target ids)
+    for index, row in enumerate(rows):
+        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        passage = CORPUS[index % len(CORPUS)]["contents"].replace("\n", " ")[:30]
+        information = f"\n\n<information>Doc 1(Title: {passage}...(truncated)</information>\n\n"
+        pairs.append((tokenizer.encode(prompt), tokenizer.encode(SEARCH_TURN)))
+        pairs.append(
+            (tokenizer.encode(prompt + SEARCH_TURN + information), tokenizer.encode(ANSWERS[index % 2]))
+        )
+    width = max(len(c) + len(t) for c, t in pairs)
+    input_ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
+    labels = torch.full((len(pairs), width), -100)
+    attention = torch.zeros((len(pairs), width), dtype=torch.long)
+    for i, (context, target) in enumerate(pairs):
+        ids = context + target
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, len(context) : len(ids)] = torch.tensor(target)
+        attention[i, : len(ids)] = 1
+    input_ids, labels, attention = input_ids.to(device), labels.to(device), attention.to(device)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(model_dir)
+    return float(loss.detach())

@@ -9,6 +9,7 @@ sequences (prompts x rollout.n).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from services.reward_server.schemas import RewardOptions
 from trainer import algos
 from trainer.algos import KLKind
+from trainer.agent.build import build_agent, chat_template_tools, search_tool_spec
+from trainer.agent.loop import AgentLoop
 from trainer.config import Config
 from trainer.data import PromptSource, open_prompt_source, total_steps
 from trainer.model import (
@@ -82,6 +85,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     source: PromptSource
     engine: RolloutEngine
+    agent: AgentLoop | None  # multi_turn.enable: rollouts that search while they generate
     scorer: Scorer
     policy: Policy
     reference: Reference | None
@@ -117,8 +121,14 @@ async def build_run(cfg: Config) -> Run:
     tokenizer = load_tokenizer(
         cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
     )
+    multi_turn = arr.rollout.multi_turn
+    tool = search_tool_spec(multi_turn, cfg.services) if multi_turn.enable else None
+    data = cfg.data
+    if tool is not None:  # the hermes format shows the tool's schema to the model in the prompt
+        kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tool)}
+        data = data.model_copy(update={"apply_chat_template_kwargs": kwargs})
     source = await open_prompt_source(
-        cfg.data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template
+        data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template
     )
     steps = total_steps(
         source.train_size, cfg.data.train_batch_size, trainer.total_epochs, trainer.total_training_steps
@@ -134,11 +144,23 @@ async def build_run(cfg: Config) -> Run:
         custom_path=cfg.custom_reward_function.path,
         custom_name=cfg.custom_reward_function.name,
     )
+    engine = build_engine(cfg, policy, tokenizer, precision)
+    agent = None
+    if tool is not None:
+        agent = await build_agent(
+            multi_turn,
+            cfg.services,
+            tool,
+            engine=engine,
+            tokenizer=tokenizer,
+            max_response_length=cfg.data.max_response_length,
+        )
     return Run(
         cfg=cfg,
         tokenizer=tokenizer,
         source=source,
-        engine=HFRolloutEngine(policy.model, tokenizer, autocast_dtype=precision.autocast_dtype),
+        engine=engine,
+        agent=agent,
         scorer=scorer,
         policy=policy,
         reference=build_reference(cfg, device, precision) if cfg.use_reference else None,
@@ -158,6 +180,26 @@ async def close_run(run: Run) -> None:
         run.tracker.close()
     await close_scorer(run.scorer)
     await run.source.aclose()
+    if run.agent is not None:
+        await run.agent.aclose()
+    if hasattr(run.engine, "close"):  # the rollout manager: its event-loop thread and replicas
+        await asyncio.to_thread(run.engine.close)
+
+
+def build_engine(cfg: Config, policy: Policy, tokenizer, precision: Precision) -> RolloutEngine:
+    """rollout.engine (trainer/config/derive.py): the built-in engine behind the rollout manager, whose
+    async path the multi-turn agent loop needs, or transformers generate on the policy's own module."""
+    if cfg.actor_rollout_ref.rollout.engine == "builtin":
+        from trainer.rollout.factory import build_rollout
+
+        return build_rollout(
+            "builtin",
+            policy_model=policy.model,
+            tokenizer=tokenizer,
+            model_path=cfg.actor_rollout_ref.model.path,
+            context_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        )
+    return HFRolloutEngine(policy.model, tokenizer, autocast_dtype=precision.autocast_dtype)
 
 
 # ------------------------------------------------------------------------------------------ workers

@@ -21,7 +21,9 @@ from services.retrieval_server.client import RetrievalClient
 from testing.search import CORPUS, QA_ROWS, ScriptedReplica, write_corpus
 from testing.tiny import load_tiny_tokenizer
 from tests.helpers import ROOT, service_process, stop_process
-from trainer.agent import AgentLoop, AgentSettings, SearchBatcher, make_format
+from trainer.agent.formats import make_format
+from trainer.agent.loop import AgentLoop, AgentSettings
+from trainer.agent.search import SearchBatcher
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.manager import RolloutManager
 from trainer.rollout.pool import ReplicaPool

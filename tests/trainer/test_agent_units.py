@@ -229,3 +229,72 @@ def test_tool_clock_counts_overlapping_calls_once():
             pass
         inner = clock.seconds
     assert inner == 0.0 and clock.seconds > 0.0
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+
+
+def test_config_turns_multi_turn_on_with_the_built_in_engine():
+    from trainer.config import load_config
+
+    tool_config = ROOT / "jobgroup" / "tools" / "search_tool_config.yaml"
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.format=search_r1",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+            "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=500",
+            "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config}",
+            "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true",  # verl's, no effect
+        ]
+    )
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    assert (multi_turn.format, multi_turn.max_assistant_turns, multi_turn.max_tool_response_length) == (
+        "search_r1",
+        3,
+        500,
+    )
+    assert cfg.actor_rollout_ref.rollout.engine == "builtin"  # the async, continuously batching engine
+    notices = "\n".join(cfg.notices())
+    assert "rate_limit" in notices and "use_inference_chat_template" in notices
+    assert "multi-turn tool calls run on the built-in engine" in notices  # rollout.name=hf was asked for
+    single = load_config([])
+    assert (
+        single.actor_rollout_ref.rollout.engine == "hf"
+        and not single.actor_rollout_ref.rollout.multi_turn.enable
+    )
+
+
+def test_config_refuses_what_the_agent_loop_cannot_run(tmp_path):
+    from trainer.config import ConfigError, load_config
+
+    on = "actor_rollout_ref.rollout.multi_turn.enable=true"
+    with pytest.raises(ConfigError, match="tool_config_path: .* is not a file"):
+        load_config([on, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'none.yaml'}"])
+    with pytest.raises(ConfigError, match="multi_turn.format"):
+        load_config([on, "actor_rollout_ref.rollout.multi_turn.format=react"])
+    with pytest.raises(ConfigError, match="max_assistant_turns"):
+        load_config([on, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"])
+
+
+def test_response_length_metrics_count_the_model_tokens_and_clip_on_the_whole_response():
+    import torch
+
+    from trainer.tracking import compute_data_metrics
+
+    # row 0: 2 model tokens, 2 tool tokens, 1 model token, padding: 3 trained of 5; row 1: 6 of 6
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    metrics = compute_data_metrics(
+        scores=torch.tensor([1.0, 0.0]),
+        advantages=torch.zeros(2, 6),
+        response_mask=mask,
+        response_lengths=mask.sum(-1),
+        total_response_lengths=torch.tensor([5, 6]),
+        prompt_lengths=torch.tensor([4, 4]),
+        max_response_length=6,
+        max_prompt_length=8,
+    )
+    assert metrics["response_length/mean"] == 4.5  # (3 + 6) / 2: the tool tokens are not counted
+    assert metrics["response_length/min"] == 3 and metrics["response_length/max"] == 6
+    assert metrics["response_length/clip_ratio"] == 0.5  # row 1 used the whole budget

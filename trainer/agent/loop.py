@@ -14,10 +14,10 @@ Rollout's loss_mask is 1 on the model's tokens and 0 on the tool responses' (and
 around them), and its logprobs are 0 there; the policy loss, KL, entropy and response-length metrics
 count the loss mask only.
 
-Limits, as verl's ToolAgentLoop: a trajectory ends after multi_turn.max_assistant_turns model turns,
-when its tokens reach data.max_response_length (each turn may only use what is left), or when a tool
-response would not fit (the last turn is then the model's, so the final reward lands on a model
-token). Tool calls beyond max_parallel_calls in one turn are ignored.
+Limits, as verl's ToolAgentLoop: a trajectory ends after multi_turn.max_assistant_turns model turns
+(or max_user_turns tool turns), when its tokens reach data.max_response_length (each turn may only
+use what is left), or when a tool response would not fit (the last turn is then the model's, so the
+final reward lands on a model token). Tool calls beyond max_parallel_calls in one turn are ignored.
 
 Metrics (verl's names): num_turns/{mean,max,min} counts the prompt, the model turns and the tool
 turns of a trajectory (a plain single-turn answer is 2); tool_calls/{mean,max} per trajectory;
@@ -55,6 +55,7 @@ class AgentSettings:
 
     max_response_length: int  # model + tool tokens of one trajectory (data.max_response_length)
     max_assistant_turns: int | None = None  # model turns per trajectory; None: only the length limits
+    max_user_turns: int | None = None  # tool turns per trajectory; None: only the length limits
     max_parallel_calls: int = 1  # tool calls run per model turn
     max_tool_response_length: int = 256  # tokens of one tool response before truncation
     tool_response_truncate_side: TruncateSide = "middle"
@@ -62,8 +63,9 @@ class AgentSettings:
     def __post_init__(self) -> None:
         if self.max_response_length < 1 or self.max_parallel_calls < 1:
             raise ValueError("max_response_length and max_parallel_calls must be >= 1")
-        if self.max_assistant_turns is not None and self.max_assistant_turns < 1:
-            raise ValueError(f"max_assistant_turns must be >= 1 or null, got {self.max_assistant_turns}")
+        for name in ("max_assistant_turns", "max_user_turns"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
 
 
 @dataclass
@@ -138,6 +140,23 @@ class AgentBatch:
     trajectories: list[Trajectory]
     tool_seconds: float
     search: SearchStats
+
+    @classmethod
+    def merged(cls, batches: Sequence[AgentBatch]) -> AgentBatch:
+        """Several generate() calls of one step (DAPO refills) as one."""
+        search = SearchStats(
+            requests=sum(b.search.requests for b in batches),
+            queries=sum(b.search.queries for b in batches),
+            calls=sum(b.search.calls for b in batches),
+            failed_calls=sum(b.search.failed_calls for b in batches),
+            errors=[e for b in batches for e in b.search.errors],
+        )
+        return cls(
+            [r for b in batches for r in b.rollouts],
+            [t for b in batches for t in b.trajectories],
+            sum(b.tool_seconds for b in batches),
+            search,
+        )
 
     def metrics(self) -> dict[str, float]:
         turns = np.array([t.num_turns for t in self.trajectories], dtype=np.float64)
@@ -218,6 +237,8 @@ class AgentLoop:
             if turn.finish_reason != "stop" or len(trajectory.response_ids) >= settings.max_response_length:
                 return
             if settings.max_assistant_turns and trajectory.assistant_turns >= settings.max_assistant_turns:
+                return
+            if settings.max_user_turns and trajectory.tool_turns >= settings.max_user_turns:
                 return
             text = self.tokenizer.decode(turn.response_ids, skip_special_tokens=False)
             calls = self.format.parse(text)[: settings.max_parallel_calls]

@@ -11,18 +11,16 @@ verl's file lists tools by class; the one this trainer runs is the search tool (
 `${oc.env:VAR,default}` is resolved as verl resolves it (OmegaConf). The URL may name several
 replicas, comma-separated, as RETRIEVAL_SERVER_URL does; the `/retrieve` path is optional. verl's
 num_workers / rate_limit / enable_global_rate_limit size its per-call thread pool; the agent loop
-batches the queries of waiting trajectories instead, so they change nothing here (said once at start).
+batches the queries of waiting trajectories instead, so they change nothing here (the run says so once
+at start, with verl's other no-effect keys).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.agent.formats import SEARCH_TOOL, SEARCH_TOOL_SCHEMA
-
-log = logging.getLogger("trainer.agent")
 
 KNOWN_CONFIG_KEYS = {"type", "retrieval_service_url", "topk", "default_timeout"}
 NO_EFFECT_CONFIG_KEYS = {"num_workers", "rate_limit", "enable_global_rate_limit"}
@@ -36,6 +34,7 @@ class SearchToolSpec:
     topk: int = 3  # passages per query
     timeout_s: float = 30.0  # per /retrieve attempt
     schema: dict = field(default_factory=lambda: SEARCH_TOOL_SCHEMA)  # for the chat template's tools=
+    no_effect: tuple[str, ...] = ()  # verl's keys in the file that change nothing here
 
     @property
     def name(self) -> str:
@@ -98,9 +97,6 @@ def _search_spec(tool: dict, path: Path) -> SearchToolSpec:
     unknown = sorted(set(config) - KNOWN_CONFIG_KEYS - NO_EFFECT_CONFIG_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown search tool config keys {unknown}")
-    ignored = sorted(set(config) & NO_EFFECT_CONFIG_KEYS)
-    if ignored:
-        log.warning(f"{path}: {ignored} change nothing here (the agent loop batches the queries itself)")
     if not config.get("retrieval_service_url"):
         raise ValueError(f"{path}: the search tool needs config.retrieval_service_url")
     schema = tool.get("tool_schema") or SEARCH_TOOL_SCHEMA
@@ -112,6 +108,7 @@ def _search_spec(tool: dict, path: Path) -> SearchToolSpec:
         topk=int(config.get("topk", 3)),
         timeout_s=float(config.get("default_timeout", 30)),
         schema=schema,
+        no_effect=tuple(sorted(set(config) & NO_EFFECT_CONFIG_KEYS)),
     )
     if spec.topk < 1 or spec.timeout_s <= 0:
         raise ValueError(f"{path}: topk must be >= 1 and default_timeout > 0")

@@ -39,7 +39,8 @@ def fill_derived(config: Config) -> None:
     data.gen_batch_size = data.gen_batch_size or data.train_batch_size
     rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
     rollout.response_length = rollout.response_length or data.max_response_length
-    rollout.engine = ENGINE_USED[rollout.name]
+    # multi-turn rollouts need the async, continuously batching engine behind the rollout manager
+    rollout.engine = "builtin" if rollout.multi_turn.enable else ENGINE_USED[rollout.name]
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
     actor.loss_scale_factor = actor.loss_scale_factor or data.max_response_length
@@ -98,6 +99,7 @@ def _expand_home(config: Config) -> None:
     data.val_files = [expand(f) for f in data.val_files] if data.val_files else data.val_files
     data.tokenizer = expand(data.tokenizer)
     arr.model.path = expand(arr.model.path)
+    arr.rollout.multi_turn.tool_config_path = expand(arr.rollout.multi_turn.tool_config_path)
     config.critic.model.path = expand(config.critic.model.path)
     config.custom_reward_function.path = expand(config.custom_reward_function.path)
     trainer.resume_from_path = expand(trainer.resume_from_path)
