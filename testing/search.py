@@ -143,6 +143,11 @@ class ScriptedReplica:
 
 SEARCH_TURN = "<search> river </search>"
 ANSWERS = ("<answer> 7 </answer>", "<answer> 9 </answer>")  # digits: no letter of "answer" to confuse
+# What the loop appends after a search with the char tokenizer, multi_turn.format=search_r1,
+# max_tool_response_length=SEARCH_RESULT_TOKENS and tool_response_truncate_side=left: the same for every
+# query, so the tiny model meets in training exactly the tokens it meets in the rollouts.
+SEARCH_RESULT_TOKENS = 13
+TRUNCATED_INFORMATION = "\n\n<information>Doc 1(Title: ...(truncated)</information>\n\n"
 
 
 def short_search_row(index: int) -> dict:
@@ -162,30 +167,33 @@ def teach_search_format(
     model_dir: str | Path,
     rows: list[dict],
     *,
-    steps: int = 80,
+    steps: int = 100,
     lr: float = 5e-3,
     seed: int = 0,
     device: str = "cpu",
 ) -> float:
     """Fine-tune the tiny model in `model_dir` (in place) to use Search-R1's format on these verl rows:
-    after the prompt it writes `<search> river </search>`, and after an `<information>` block it
-    answers `<answer> 7 </answer>` or `<answer> 9 </answer>`, half and half. A random model never
-    calls the tool; this one does, and its answers vary, so GRPO has a signal. Returns the last loss.
+    after the prompt it writes `<search> river </search>`, and after the search result (as the loop
+    writes it with SEARCH_RESULT_TOKENS, truncated on the left) it answers `<answer> 7 </answer>` or
+    `<answer> 9 </answer>`, half and half. A random model never calls the tool; this one does, and its
+    answers vary, so GRPO has a signal. Returns the last loss.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from trainer.model import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))  # the trainer's: it keeps the char tokenizer intact
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     pairs: list[tuple[list[int], list[int]]] = []  # (context ids, target ids)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
     for index, row in enumerate(rows):
         prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        passage = CORPUS[index % len(CORPUS)]["contents"].replace("\n", " ")[:30]
-        information = f"\n\n<information>Doc 1(Title: {passage}...(truncated)</information>\n\n"
-        pairs.append((tokenizer.encode(prompt), tokenizer.encode(SEARCH_TURN)))
-        pairs.append(
-            (tokenizer.encode(prompt + SEARCH_TURN + information), tokenizer.encode(ANSWERS[index % 2]))
-        )
+        pairs.append((encode(prompt), encode(SEARCH_TURN)))
+        pairs.append((encode(prompt + SEARCH_TURN + TRUNCATED_INFORMATION), encode(ANSWERS[index % 2])))
     width = max(len(c) + len(t) for c, t in pairs)
     input_ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
     labels = torch.full((len(pairs), width), -100)
