@@ -49,8 +49,8 @@ def prepare_smoke(out: Path) -> tuple[Path, Path, Path, str]:
         teach_search_format(model, [short_search_row(i) for i in range(6)])
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    rows = [short_search_row(i) for i in range(6, 38)]
-    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for split, indexes in (("train", range(6, 38)), ("test", range(4))):  # the trainer opens both splits
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(short_search_row(i)) + "\n" for i in indexes))
     return model, data, write_corpus(out / "corpus.jsonl"), "nq"
 
 
@@ -61,12 +61,11 @@ def prepare_gpu(out: Path, model: Path | None, qa: Path, corpus: Path) -> tuple[
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     qa_rows = read_records(qa)
-    (data / "train.jsonl").write_text(
-        "".join(
-            json.dumps({"question": r["question"], "golden_answers": r["golden_answers"]}) + "\n"
-            for r in qa_rows
-        )
-    )
+    lines = [
+        json.dumps({"question": r["question"], "golden_answers": r["golden_answers"]}) + "\n" for r in qa_rows
+    ]
+    (data / "train.jsonl").write_text("".join(lines))
+    (data / "test.jsonl").write_text("".join(lines[:8]))  # the trainer opens both splits
     if model is None:
         from testing.search import teach_search_format
         from testing.tiny import make_tiny_model, qwen25_05b_config
