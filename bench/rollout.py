@@ -36,7 +36,7 @@ DATASHEET = {"H100": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}  # bytes/s, de
 def build_model(small: bool, device: str):
     from transformers import Qwen2ForCausalLM
 
-    from trainer.tiny import qwen25_05b_config, tiny_qwen2_config
+    from testing.tiny import qwen25_05b_config, tiny_qwen2_config
 
     config = tiny_qwen2_config(vocab=512, hidden=64, layers=2) if small else qwen25_05b_config()
     torch.manual_seed(0)

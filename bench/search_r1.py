@@ -5,8 +5,9 @@
 
 Two arms on the same prompts, model and budget, each a real `python -m jobgroup.local run` (data-,
 reward- and, for the tools arm, retrieval-server on loopback, then `python -m trainer.main_ppo`):
-  tools     multi_turn.enable (Search-R1 tags): every trajectory may search the retrieval-server
-  no-tools  the same prompts answered in one turn
+  tools     Search-R1 tags, up to 4 model turns: a trajectory searches the retrieval-server and goes on
+  no-tools  the same loop and engine, one model turn: it stops at the closed call and no search runs
+            (both arms run the agent loop on the built-in engine, so the engine is not what differs)
 Per arm, the mean over the steps after the first (the first includes warm-up) of: step time,
 generation time, timing_s/tool_calls (wall time with a search in flight) and its share of the step,
 the model's own tokens per step (response_length/mean x sequences: search results not counted) and
@@ -102,12 +103,13 @@ def run_arm(
         "--data-port", "0", "--reward-port", "0", "--retrieval-port", "0", "--health-timeout", "600",
         "--data-server-args", f"--datasets {dataset}={data}",
     ]  # fmt: skip
-    if tools:
-        launcher += ["--retrieval-index", str(index)]
-    else:
-        launcher += ["--services", "data,reward"]
+    # Both arms run the agent loop on the built-in engine, so only the tools differ: the no-tools arm
+    # ends every trajectory after its first model turn (which stops at a closed call: no search runs).
+    launcher += ["--retrieval-index", str(index)]
+    turns = 4 if tools else 1
     trainer = keys + [
-        f"actor_rollout_ref.rollout.multi_turn.enable={str(tools).lower()}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={turns}",
         f"data.dataset={dataset}",
         "trainer.logger=[console,jsonl]",
         f"trainer.log_dir={run_dir / 'log'}",
@@ -206,7 +208,6 @@ def main() -> None:
         f"actor_rollout_ref.rollout.n={args.n}",
         "actor_rollout_ref.rollout.name=builtin",
         "actor_rollout_ref.rollout.multi_turn.format=search_r1",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
         f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={tool_length}",
         "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
         f"trainer.total_training_steps={args.steps}",
