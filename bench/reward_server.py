@@ -28,9 +28,9 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.data_server.synthetic import make_problem
 from services.reward_server.client import RewardClient
-from services.reward_server.core import LocalScorer
+from services.scoring import LocalScorer
 from services.reward_server.schemas import RewardItem
-from services.reward_server.scorers.gsm8k import score_gsm8k
+from services.scoring.gsm8k import score_gsm8k
 from tests.helpers import SHARED_DATA, service_process
 
 BATCH = 1024

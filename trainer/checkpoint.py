@@ -6,23 +6,27 @@ Layout (root = checkpoints/{project}/{experiment}):
     root/global_step_N/
         trainer_state.json                        step, data cursor, tracker run id, extra; written LAST,
                                                   so its presence marks a complete directory
-        rng_state.pt                              python, numpy, torch CPU and CUDA generator states
+        rng_state.pt                              the driver's python, numpy, torch CPU and CUDA generators
         actor/  (one directory per model role: actor, critic, ...)
-            model.safetensors                     FULL (unsharded) tensors, tied weights stored once
-            optimizer.pt, scheduler.pt            torch.save of state_dict() (full tensors too)
+            .metadata, __<rank>_0.distcp          torch.distributed.checkpoint: the weights ("model.*")
+                                                  and AdamW state ("optimizer.*"), one file per rank
+                                                  that wrote it, plus the global shape of every tensor
+            tied.json                             {alias: stored name} for tied weights (stored once)
+            scheduler.pt                          the LR schedule's state_dict()
             huggingface/                          config.json, generation_config.json, tokenizer files
                                                   (only for Hugging Face models; `trainer.export` needs them)
+
+Any number of ranks resumes a checkpoint written by any other number (trainer/fsdp.py): the files
+describe whole tensors and each loading rank reads the slices it holds. One process without Ray
+writes and reads the very same files, so a run saved on 8 GPUs resumes on a CPU and vice versa.
 
 Why it survives a crash: everything is written into a hidden temp directory beside the target and
 fsynced, then renamed to global_step_N in one `os.rename`; only then is `latest_checkpointed_iteration.txt`
 replaced (write temp + fsync + `os.replace`). A crash at any point leaves either the old checkpoint
 (latest still names it) or the new one, never a half-written global_step_N that resume could pick:
 temp directories start with "." and are swept by the next save, and a directory without
-trainer_state.json is never treated as a checkpoint.
-
-Why full tensors: a checkpoint must resume on a different GPU count (design doc). A sharded (FSDP2 /
-DTensor) model or optimizer state is gathered with `.full_tensor()` before writing, so the files do
-not depend on the world size that wrote them; the loader re-shards by loading full tensors.
+trainer_state.json is never treated as a checkpoint. Ranks on other nodes write into the same temp
+directory, so multi-node runs need a checkpoint folder every node sees (a shared or mounted bucket).
 """
 
 from __future__ import annotations
@@ -34,28 +38,27 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from trainer.fsdp import has_sharded_checkpoint, load_full_model_state, load_sharded, save_sharded
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.pt"
-WEIGHTS_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
+TIED_FILE = "tied.json"
+DCP_METADATA_FILE = ".metadata"
 HF_METADATA_DIR = "huggingface"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: whole-tensor safetensors + torch.save'd optimizer; 2: torch.distributed.checkpoint
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-# safetensors metadata key holding {dropped_name: stored_name} for tensors that share storage (tied
-# embeddings)
-_ALIASES_KEY = "aliases"
 
 ResumeMode = Literal["auto", "disable", "resume_path"]
 
@@ -77,37 +80,57 @@ class CheckpointError(RuntimeError):
 # ----------------------------------------------------------------------------------------------- save
 
 
+class RoleState(Protocol):
+    """What a checkpoint asks of a role: write its state into a directory, and read it back.
+
+    `LocalRole` does it for a model trained in this process; the Ray role groups
+    (trainer/workers/group.py) do it with all their ranks writing into the same directory.
+    """
+
+    def save(self, directory: str) -> None: ...
+
+    def load(self, directory: str) -> None: ...
+
+
+@dataclass
+class LocalRole:
+    """A role trained in this process: its model, and optionally its optimizer, LR schedule and tokenizer."""
+
+    model: nn.Module
+    optimizer: Any = None
+    scheduler: Any = None
+    tokenizer: Any = None  # saved with the HF config, so `trainer.export` can build a loadable folder
+
+    def save(self, directory: str) -> None:
+        save_role_state(Path(directory), self.model, self.optimizer, self.scheduler, tokenizer=self.tokenizer)
+
+    def load(self, directory: str) -> None:
+        load_role_state(Path(directory), self.model, self.optimizer, self.scheduler)
+
+
 def save_checkpoint(
     root: Path,
     step: int,
     *,
-    models: dict[str, nn.Module],
-    optimizers: dict[str, Any],
-    schedulers: dict[str, Any],
+    roles: Mapping[str, RoleState],
     state: TrainState,
     keep_last: int | None,
-    tokenizer: Any | None = None,
 ) -> Path:
     """Write root/global_step_{step}/ atomically, point latest at it, prune to `keep_last`; returns the dir.
 
-    `optimizers` / `schedulers` are keyed by the same role names as `models` (a role may have none).
-    `tokenizer`, when given, is saved with each Hugging Face model's config (see `save_hf_metadata`) so
-    `python -m trainer.export` can build a loadable HF folder. `keep_last` None or <= 0 keeps all.
+    Each role writes its own directory (`RoleState.save`). `keep_last` None or <= 0 keeps all.
     """
-    strays = sorted((set(optimizers) | set(schedulers)) - set(models))
-    if strays:
-        raise ValueError(f"optimizer/scheduler roles {strays} have no model (models: {sorted(models)})")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
     staging = root / f".tmp-global_step_{step}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        for role, model in models.items():
-            _save_role(staging / role, model, optimizers.get(role), schedulers.get(role), tokenizer)
+        for name, role in roles.items():
+            role.save(str(staging / name))
         torch.save(capture_rng_state(), staging / RNG_FILE)
         # trainer_state.json last: its presence is what makes a directory a complete checkpoint.
-        _write_json(staging / STATE_FILE, _state_record(state, step, list(models)))
+        _write_json(staging / STATE_FILE, _state_record(state, step, list(roles)))
         _fsync_tree(staging)
         _move_into_place(staging, final)
     except BaseException:
@@ -118,12 +141,80 @@ def save_checkpoint(
     return final
 
 
+def save_role_state(
+    directory: Path,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    tokenizer: Any = None,
+    writer: bool = True,
+) -> None:
+    """One role's directory: weights and optimizer through torch.distributed.checkpoint (a collective
+    when the model is sharded: every rank calls it); the `writer` rank adds the tie map, the LR schedule
+    and the Hugging Face metadata."""
+    directory = Path(directory)
+    aliases = tied_aliases(model)
+    save_sharded(directory, model, optimizer, aliases=aliases)
+    if writer:
+        _write_json(directory / TIED_FILE, aliases)
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
+        save_hf_metadata(directory / HF_METADATA_DIR, model, tokenizer)
+
+
+def load_role_state(directory: Path, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+    """Read a role's directory into `model` (any sharding), its optimizer and LR schedule, in place."""
+    directory = Path(directory)
+    if not has_role_weights(directory):
+        raise CheckpointError(f"{str(directory)!r} holds no role weights (no {DCP_METADATA_FILE})")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        load_sharded(directory, model, optimizer, aliases=tied_aliases(model))
+    except (Exception, CheckpointException) as exc:  # DCP names the first key or shape that differs
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise CheckpointError(
+            f"{str(directory)!r} does not match the model it is loaded into: {detail}"
+        ) from exc
+    if scheduler is not None:
+        _load_optional(directory / SCHEDULER_FILE, scheduler, f"{directory.name} scheduler")
+
+
+def has_role_weights(directory: Path) -> bool:
+    return has_sharded_checkpoint(Path(directory))
+
+
+def load_role_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """A role's whole weight tensors on the CPU, tied names restored (for exporting; no process group)."""
+    directory = Path(directory)
+    tensors = load_full_model_state(directory)
+    tied = directory / TIED_FILE
+    aliases = json.loads(tied.read_text()) if tied.is_file() else {}
+    for alias, stored in aliases.items():
+        tensors[alias] = tensors[stored]
+    return tensors
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{name: first name} for every parameter or buffer reachable under a second name (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
 def save_hf_metadata(directory: Path, model: nn.Module, tokenizer: Any | None) -> None:
     """Save what rebuilds `model` as a Hugging Face model: config.json, generation_config.json, tokenizer.
 
-    Called by `save_checkpoint` for every model that carries a transformers config (into
-    `<role>/huggingface/`); callers with their own layout may call it directly. Models without an
-    HF config (e.g. a bare value head) are skipped. Weights are not written here.
+    Called for every role that carries a transformers config (into `<role>/huggingface/`); callers with
+    their own layout may call it directly. Models without an HF config (e.g. a bare value head) are
+    skipped. Weights are not written here.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
@@ -136,58 +227,6 @@ def save_hf_metadata(directory: Path, model: nn.Module, tokenizer: Any | None) -
         generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-
-
-def _save_role(directory: Path, model: nn.Module, optimizer: Any, scheduler: Any, tokenizer: Any) -> None:
-    directory.mkdir(parents=True)
-    tensors, aliases = _dedupe_shared(model.state_dict())
-    save_file(tensors, directory / WEIGHTS_FILE, metadata={_ALIASES_KEY: json.dumps(aliases)})
-    if optimizer is not None:
-        torch.save(_to_full_cpu(optimizer.state_dict()), directory / OPTIMIZER_FILE)
-    if scheduler is not None:
-        torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
-    save_hf_metadata(directory / HF_METADATA_DIR, model, tokenizer)
-
-
-def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Full, contiguous CPU tensors with shared ones (tied embeddings) stored once, plus the alias map.
-
-    safetensors refuses tensors that share memory; storing the tie as an alias keeps the file small
-    and the tie explicit.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen_views: dict[tuple, str] = {}
-    seen_storages: set[tuple] = set()
-    for name, tensor in state_dict.items():
-        tensor = _full_tensor(tensor).detach()
-        storage = (tensor.device, tensor.untyped_storage().data_ptr())
-        view = (*storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        if tensor.numel() > 0 and view in seen_views:
-            aliases[name] = seen_views[view]
-            continue
-        seen_views[view] = name
-        # a different view of an already stored storage must be copied: safetensors rejects overlap
-        shared = tensor.numel() > 0 and storage in seen_storages
-        seen_storages.add(storage)
-        tensor = tensor.to("cpu", copy=shared)
-        tensors[name] = tensor.contiguous()
-    return tensors, aliases
-
-
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    # DTensor (FSDP2) -> the whole tensor, so the file does not depend on the writer's world size
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _to_full_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return _full_tensor(obj).detach().cpu()
-    if isinstance(obj, dict):
-        return {key: _to_full_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_full_cpu(value) for value in obj)
-    return obj
 
 
 def _state_record(state: TrainState, step: int, roles: list[str]) -> dict:
@@ -353,42 +392,20 @@ def load_train_state(path: Path) -> TrainState:
     )
 
 
-def load_checkpoint(
-    path: Path,
-    *,
-    models: dict[str, nn.Module],
-    optimizers: dict[str, Any],
-    schedulers: dict[str, Any],
-    restore_rng: bool = True,
-) -> TrainState:
-    """Load weights, optimizer and scheduler states (and RNG streams) in place; returns the TrainState."""
+def load_checkpoint(path: Path, *, roles: Mapping[str, RoleState], restore_rng: bool = True) -> TrainState:
+    """Load every role's state (and the driver's RNG streams) in place; returns the TrainState."""
     path = Path(path)
     state = load_train_state(path)
-    for role, model in models.items():
-        role_dir = path / role
-        if not (role_dir / WEIGHTS_FILE).is_file():
+    for name, role in roles.items():
+        if not has_role_weights(path / name):
             raise CheckpointError(
-                f"checkpoint {str(path)!r} has no weights for role {role!r} "
+                f"checkpoint {str(path)!r} has no weights for role {name!r} "
                 f"(roles saved: {sorted(_read_state_record(path).get('roles', []))})"
             )
-        model.load_state_dict(load_full_state_dict(role_dir / WEIGHTS_FILE), strict=True)
-        _load_optional(role_dir / OPTIMIZER_FILE, optimizers.get(role), f"{role} optimizer")
-        _load_optional(role_dir / SCHEDULER_FILE, schedulers.get(role), f"{role} scheduler")
+        role.load(str(path / name))
     if restore_rng:
         restore_rng_state(torch.load(path / RNG_FILE, weights_only=True))
     return state
-
-
-def load_full_state_dict(weights_file: Path) -> dict[str, torch.Tensor]:
-    """A role's saved tensors with tied names restored (each alias points at the stored tensor)."""
-    from safetensors import safe_open
-
-    with safe_open(str(weights_file), framework="pt") as handle:
-        aliases = json.loads((handle.metadata() or {}).get(_ALIASES_KEY, "{}"))
-    tensors = load_file(str(weights_file))
-    for name, stored in aliases.items():
-        tensors[name] = tensors[stored]
-    return tensors
 
 
 def _load_optional(file: Path, target: Any, what: str) -> None:

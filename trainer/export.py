@@ -23,11 +23,11 @@ import torch
 
 from trainer.checkpoint import (
     HF_METADATA_DIR,
-    WEIGHTS_FILE,
     CheckpointError,
+    has_role_weights,
     is_complete,
     latest_checkpoint,
-    load_full_state_dict,
+    load_role_weights,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,7 +58,7 @@ def export_hf(
 
     role_dir = resolve_checkpoint(checkpoint) / role
     hf_dir = role_dir / HF_METADATA_DIR
-    if not (role_dir / WEIGHTS_FILE).is_file():
+    if not has_role_weights(role_dir):
         raise CheckpointError(f"no {role!r} weights in {str(role_dir.parent)!r}")
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(
@@ -66,7 +66,7 @@ def export_hf(
             "config and tokenizer (save_checkpoint(..., tokenizer=...) / save_hf_metadata)"
         )
     config = AutoConfig.from_pretrained(hf_dir)
-    state_dict = load_full_state_dict(role_dir / WEIGHTS_FILE)
+    state_dict = load_role_weights(role_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     _check_keys(model, state_dict, role_dir)

@@ -3,7 +3,7 @@
 One step, whatever the algorithm:
 
     prompts    <- data-server or local files (cursor saved with every checkpoint)
-    rollouts   <- engine.generate(prompts, n)                built-in engine, colocated with the policy
+    rollouts   <- engine.generate(prompts, n)                hf / builtin in process, or SGLang servers
                   [multi_turn] agent.generate: each trajectory searches the retrieval-server as it goes
     scores     <- reward-server (HTTP, batched, retried) or the same scorers in-process
     [DAPO]        group by prompt, drop the groups whose rewards do not vary, refill until full
@@ -36,6 +36,8 @@ from trainer import algos
 from trainer.agent.loop import AgentBatch
 from trainer.batch import TrainBatch
 from trainer.checkpoint import (
+    LocalRole,
+    RoleState,
     TrainState,
     find_resume_checkpoint,
     latest_checkpoint,
@@ -47,6 +49,7 @@ from trainer.config import Config
 from trainer.data import PromptRecord
 from trainer.rewards import Scores, reward_items, score_rollouts
 from trainer.rollout.base import Rollout, SamplingParams
+from trainer.rollout.metrics import rollout_logprob_gap
 from trainer.run import AdvantageSettings, KLController, Run, build_run, close_run, seed_everything
 from trainer.tracking import (
     Tracker,
@@ -61,6 +64,7 @@ from trainer.tracking import (
     timer,
     training_flops,
 )
+from trainer.workers.group import MEMORY_METRICS, RoleGroup, WorkerGroupError
 
 
 class TrainingAborted(RuntimeError):
@@ -75,6 +79,15 @@ def fit(cfg: Config) -> dict[str, float]:
 async def _fit(cfg: Config) -> dict[str, float]:
     seed_everything(cfg.trainer.seed)
     run = await build_run(cfg)
+    try:
+        return await train(run)
+    finally:
+        await close_run(run)
+
+
+async def train(run: Run) -> dict[str, float]:
+    """Resume, then step until the end; validation and checkpoints as configured."""
+    cfg = run.cfg
     metrics: dict[str, float] = {}
     step, cursor_before_step = 0, None
     try:
@@ -104,8 +117,13 @@ async def _fit(cfg: Config) -> dict[str, float]:
         raise TrainingAborted(
             f"a service stayed unreachable at step {step}: {exc}; last usable checkpoint: {path or 'none'}"
         ) from exc
-    finally:
-        await close_run(run)
+    except WorkerGroupError as exc:
+        # A rank died or failed and its group is shut down: nothing is left to save from.
+        path = latest_checkpoint(checkpoint_root(cfg))
+        raise TrainingAborted(
+            f"{exc} (step {step}); last usable checkpoint: {path or 'none'}; "
+            "restart with trainer.resume_mode=auto to continue from it"
+        ) from exc
 
 
 async def train_step(run: Run, step: int) -> dict[str, float]:
@@ -124,13 +142,16 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
                 batch = batch.with_fields(values=run.critic.compute_values(batch))
         with timer("adv", timings):
             batch, metrics = compute_advantages(batch, collected.scores.scores, run.advantage, run.kl_ctrl)
+        if batch.old_logprobs is not None:  # the engine's logprobs vs the trainer's (verl's names)
+            metrics |= rollout_logprob_gap(batch.rollout_logprobs, batch.old_logprobs, batch.response_mask)
         if run.critic is not None:
             with timer("update_critic", timings):
                 metrics |= run.critic.update(batch)
         if step > run.cfg.trainer.critic_warmup:
             with timer("update_actor", timings):
                 metrics |= run.policy.update(batch)
-            run.engine.load_weights(run.policy.model)  # colocated: the same module, nothing to copy
+            with timer("update_weights", timings):
+                run.sync_weights()
     if run.cfg.trainer.rollout_data_dir:
         dump_rollouts(run.cfg.trainer.rollout_data_dir, step, collected.groups)
     progress = progress_metrics(step, run.source.epoch)
@@ -321,22 +342,25 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
         timings, num_prompt_tokens=prompt_tokens, num_response_tokens=response_tokens
     )
     metrics |= compute_throughput_metrics(prompt_tokens + response_tokens, timings["step"], run.world_size)
-    model = run.policy.model
+    profile = run.profile
     flops = training_flops(
-        num_params=sum(p.numel() for p in model.parameters()),
+        num_params=profile.num_params,
         seq_lens=(batch.prompt_lengths + batch.response_lengths).tolist(),
-        num_layers=model.config.num_hidden_layers,
-        attention_dim=model.config.hidden_size,
+        num_layers=profile.num_layers,
+        attention_dim=profile.hidden_size,
     )
     utilisation = mfu(
-        flops * run.policy.update_settings.ppo_epochs,
+        flops * profile.ppo_epochs,
         timings.get("update_actor", 0.0),
         n_gpus=run.world_size,
-        peak_flops_per_gpu=peak_flops_per_gpu() if run.policy.device.type == "cuda" else None,
+        peak_flops_per_gpu=peak_flops_per_gpu(profile.device_name) if profile.device_name else None,
     )
     if utilisation is not None:
         metrics["perf/mfu/actor"] = utilisation
-    return metrics | memory_metrics()
+    memory = memory_metrics()
+    if not profile.in_process:  # the GPU peaks are the ranks' own (in their update metrics)
+        memory = {name: value for name, value in memory.items() if name not in MEMORY_METRICS}
+    return metrics | memory
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -380,8 +404,7 @@ def resume(run: Run) -> int:
     path = find_resume_checkpoint(checkpoint_root(cfg), cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
     state = load_train_state(path) if path is not None else TrainState(step=0)
     if path is not None:
-        models, optimizers, schedulers = checkpoint_parts(run)
-        state = load_checkpoint(path, models=models, optimizers=optimizers, schedulers=schedulers)
+        state = load_checkpoint(path, roles=checkpoint_roles(run))
         run.source.restore(state.data_cursor)
         run.kl_ctrl.value = state.extra.get("kl_coef", run.kl_ctrl.value)
         run.last_saved_step = state.step
@@ -400,7 +423,6 @@ def resume(run: Run) -> int:
 
 
 def save(run: Run, step: int, data_cursor: str | None = None) -> Path:
-    models, optimizers, schedulers = checkpoint_parts(run)
     cursor = data_cursor if data_cursor is not None else run.source.state()
     state = TrainState(
         step=step, data_cursor=cursor, tracker_run_id=run.tracker.run_id, extra={"kl_coef": run.kl_ctrl.value}
@@ -408,24 +430,23 @@ def save(run: Run, step: int, data_cursor: str | None = None) -> Path:
     path = save_checkpoint(
         checkpoint_root(run.cfg),
         step,
-        models=models,
-        optimizers=optimizers,
-        schedulers=schedulers,
+        roles=checkpoint_roles(run),
         state=state,
         keep_last=run.cfg.trainer.max_actor_ckpt_to_keep,
-        tokenizer=run.tokenizer,
     )
     run.last_saved_step = step
     return path
 
 
-def checkpoint_parts(run: Run) -> tuple[dict, dict, dict]:
+def checkpoint_roles(run: Run) -> dict[str, RoleState]:
+    """The trained roles by checkpoint directory: a Ray role group saves itself, rank by rank."""
     workers = {"actor": run.policy, **({"critic": run.critic} if run.critic is not None else {})}
-    return (
-        {role: w.model for role, w in workers.items()},
-        {role: w.optimizer for role, w in workers.items()},
-        {role: w.scheduler for role, w in workers.items()},
-    )
+    return {
+        name: worker
+        if isinstance(worker, RoleGroup)
+        else LocalRole(worker.model, worker.optimizer, worker.scheduler, run.tokenizer)
+        for name, worker in workers.items()
+    }
 
 
 def should(freq: int, step: int, last: int) -> bool:

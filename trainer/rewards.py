@@ -1,9 +1,10 @@
 """Rewards for rollouts: the reward-server over HTTP, or the same scoring code in this process.
 
-`reward_model.mode=server` (default) sends batches to the reward-server (retries, replicas);
-`mode=local` runs services.reward_server's LocalScorer here, or a verl-style
+`reward_model.mode=server` sends batches to the reward-server (retries, replicas); `mode=local` runs
+services.scoring's LocalScorer (the library the reward-server serves) here, or a verl-style
 `custom_reward_function.path/name` when one is named. Either way the loop sees one call:
-`await scorer.score(items, options) -> list[RewardResult]`.
+`await scorer.score(items, options) -> list[RewardResult]`. The default, `mode=auto`, is resolved by the
+config: server when a reward-server URL is configured, else local (verl scores in-process).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ async def open_scorer(
     if mode == "local":
         if custom_path:
             return CustomFunctionScorer(custom_path, custom_name)
-        from services.reward_server.core import LocalScorer
+        from services.scoring import LocalScorer
 
         return LocalScorer()
     from services.reward_server.client import RewardClient

@@ -9,11 +9,11 @@ sequences (prompts x rollout.n).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -21,9 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from services.reward_server.schemas import RewardOptions
 from trainer import algos
-from trainer.algos import KLKind
 from trainer.agent.build import build_agent, chat_template_tools, search_tool_spec
 from trainer.agent.loop import AgentLoop
+from trainer.algos import KLKind
 from trainer.config import Config
 from trainer.data import PromptSource, open_prompt_source, total_steps
 from trainer.model import (
@@ -35,13 +35,18 @@ from trainer.model import (
     load_tokenizer,
 )
 from trainer.rewards import Scorer, close_scorer, open_scorer, reward_options
+from trainer.packing import use_packed_attention
 from trainer.rollout.base import RolloutEngine, SamplingParams
-from trainer.rollout.hf_engine import HFRolloutEngine
+from trainer.rollout.factory import build_rollout, server_urls_from_env, visible_gpus
 from trainer.tracking import Tracker
 from trainer.workers.actor import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.group import PolicyProfile
 from trainer.workers.reference import Reference
+
+if TYPE_CHECKING:
+    from trainer.cluster import Groups
 
 log = logging.getLogger("trainer")
 
@@ -85,7 +90,6 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     source: PromptSource
     engine: RolloutEngine
-    agent: AgentLoop | None  # multi_turn.enable: rollouts that search while they generate
     scorer: Scorer
     policy: Policy
     reference: Reference | None
@@ -97,9 +101,12 @@ class Run:
     val_sampling: SamplingParams
     reward_options: RewardOptions
     total_steps: int
-    # The processes that train: one today, whatever trainer.nnodes / n_gpus_per_node say; throughput and
-    # MFU are per GPU, so they divide by this (the distributed trainer makes it its group's size).
+    sync_weights: Callable[[], None]  # the rollout engine takes the policy's current weights
+    profile: PolicyProfile  # the policy's shape, for MFU
+    # The ranks that train (throughput and MFU are per GPU): 1 in one process, else the group's size.
     world_size: int = 1
+    groups: Groups | None = None  # the Ray role groups, to shut down at the end
+    agent: AgentLoop | None = None  # multi_turn.enable: rollouts that search while they generate
     tracker: Tracker | None = None
     last_saved_step: int = 0
 
@@ -108,10 +115,13 @@ class Run:
         """Whether a step computes the policy's logprobs before its update.
 
         The policy update can skip them when exactly on-policy (old == current). The KL penalty in the
-        reward cannot: it is taken against the policy that sampled, before the advantages exist.
+        reward cannot: it is taken against the policy that sampled, before the advantages exist. Nor can
+        a separate engine (builtin, sglang): it samples from its own copy (bf16, its own kernels), so the
+        trainer's logprobs are recomputed, and their gap to the engine's is logged every step.
         """
         batch_size = self.plan.prompts * self.sampling.n
-        return self.advantage.use_kl_in_reward or not self.policy.is_on_policy(batch_size)
+        separate_engine = self.cfg.actor_rollout_ref.rollout.engine != "hf"
+        return self.advantage.use_kl_in_reward or separate_engine or not self.policy.is_on_policy(batch_size)
 
 
 async def build_run(cfg: Config) -> Run:
@@ -133,7 +143,6 @@ async def build_run(cfg: Config) -> Run:
     steps = total_steps(
         source.train_size, cfg.data.train_batch_size, trainer.total_epochs, trainer.total_training_steps
     )
-    policy = build_policy(cfg, device, precision, steps)
     scorer = await open_scorer(
         cfg.reward_model.mode,
         urls=cfg.services.reward_url,
@@ -144,14 +153,14 @@ async def build_run(cfg: Config) -> Run:
         custom_path=cfg.custom_reward_function.path,
         custom_name=cfg.custom_reward_function.name,
     )
-    engine = build_engine(cfg, policy, tokenizer, precision)
+    workers = build_workers(cfg, device, precision, steps, tokenizer)
     agent = None
-    if tool is not None:
+    if tool is not None:  # over the engine's async path (the rollout manager of builtin / sglang)
         agent = await build_agent(
             multi_turn,
             cfg.services,
             tool,
-            engine=engine,
+            engine=workers["engine"],
             tokenizer=tokenizer,
             max_response_length=cfg.data.max_response_length,
         )
@@ -159,12 +168,9 @@ async def build_run(cfg: Config) -> Run:
         cfg=cfg,
         tokenizer=tokenizer,
         source=source,
-        engine=engine,
-        agent=agent,
         scorer=scorer,
-        policy=policy,
-        reference=build_reference(cfg, device, precision) if cfg.use_reference else None,
-        critic=build_critic(cfg, device, precision, steps) if cfg.use_critic else None,
+        agent=agent,
+        **workers,
         kl_ctrl=kl_controller(cfg.algorithm.kl_ctrl),
         advantage=advantage_settings(cfg.algorithm),
         plan=batch_plan(cfg),
@@ -176,33 +182,59 @@ async def build_run(cfg: Config) -> Run:
 
 
 async def close_run(run: Run) -> None:
-    if run.tracker is not None:
-        run.tracker.close()
-    await close_scorer(run.scorer)
-    await run.source.aclose()
     if run.agent is not None:
         await run.agent.aclose()
-    if hasattr(run.engine, "close"):  # the rollout manager: its event-loop thread and replicas
-        await asyncio.to_thread(run.engine.close)
-
-
-def build_engine(cfg: Config, policy: Policy, tokenizer, precision: Precision) -> RolloutEngine:
-    """rollout.engine (trainer/config/derive.py): the built-in engine behind the rollout manager, whose
-    async path the multi-turn agent loop needs, or transformers generate on the policy's own module."""
-    if cfg.actor_rollout_ref.rollout.engine == "builtin":
-        from trainer.rollout.factory import build_rollout
-
-        return build_rollout(
-            "builtin",
-            policy_model=policy.model,
-            tokenizer=tokenizer,
-            model_path=cfg.actor_rollout_ref.model.path,
-            context_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
-        )
-    return HFRolloutEngine(policy.model, tokenizer, autocast_dtype=precision.autocast_dtype)
+    run.engine.close()
+    if run.tracker is not None:
+        run.tracker.close()
+    if run.groups is not None:
+        run.groups.shutdown()
+    await close_scorer(run.scorer)
+    await run.source.aclose()
 
 
 # ------------------------------------------------------------------------------------------ workers
+
+
+def build_workers(cfg: Config, device: torch.device, precision: Precision, steps: int, tokenizer) -> dict:
+    """The policy, reference, critic and rollout engine: Ray role groups (trainer/cluster.py) or, on one
+    device by default, plain workers in this process with the engine sharing the policy's module."""
+    from trainer import cluster
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cluster.use_ray(cfg):
+        groups = cluster.build_groups(cfg, device, precision, steps, pad_id)
+        return {
+            "policy": groups.policy,
+            "reference": groups.reference,
+            "critic": groups.critic,
+            "engine": groups.engine,
+            "sync_weights": groups.engine.load_weights,
+            "profile": groups.policy.profile(),
+            "world_size": groups.policy.world_size,
+            "groups": groups,
+        }
+    policy = build_policy(cfg, device, precision, steps)
+    arr = cfg.actor_rollout_ref
+    engine = build_rollout(
+        arr.rollout.engine,
+        policy_model=policy.model,
+        tokenizer=tokenizer,
+        model_path=arr.model.path,
+        context_length=arr.rollout.prompt_length + arr.rollout.response_length,
+        autocast_dtype=precision.autocast_dtype,
+        server_urls=server_urls_from_env(),
+        gpus=visible_gpus(),
+    )
+    return {
+        "policy": policy,
+        "reference": build_reference(cfg, device, precision) if cfg.use_reference else None,
+        "critic": build_critic(cfg, device, precision, steps) if cfg.use_critic else None,
+        "engine": engine,
+        # hf shares the policy's module (nothing to copy); builtin / sglang get the weights copied in
+        "sync_weights": lambda: engine.load_weights(policy.model),
+        "profile": PolicyProfile.of(policy.model, policy.update_settings.ppo_epochs, in_process=True),
+    }
 
 
 def build_policy(cfg: Config, device: torch.device, precision: Precision, steps: int) -> Policy:
@@ -215,6 +247,8 @@ def build_policy(cfg: Config, device: torch.device, precision: Precision, steps:
         trust_remote_code=arr.model.trust_remote_code,
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
     )
+    if arr.model.use_remove_padding:
+        use_packed_attention(model)
     return Policy(
         model,
         optimizer_settings(actor.optim, actor.grad_clip, steps),
@@ -238,6 +272,8 @@ def build_reference(cfg: Config, device: torch.device, precision: Precision) -> 
         param_dtype=precision.param_dtype,
         trust_remote_code=arr.model.trust_remote_code,
     )
+    if arr.model.use_remove_padding:
+        use_packed_attention(model)
     return Reference(
         model,
         micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
@@ -255,6 +291,8 @@ def build_critic(cfg: Config, device: torch.device, precision: Precision, steps:
         trust_remote_code=bool(critic.model.trust_remote_code),
         gradient_checkpointing=critic.model.enable_gradient_checkpointing,
     )
+    if critic.model.use_remove_padding:
+        use_packed_attention(model)
     return Critic(
         model,
         optimizer_settings(critic.optim, critic.grad_clip, steps),

@@ -3,6 +3,10 @@
 A service supplies its settings, a `load(app)` that fills `app.state` with heavy resources (run in a
 thread after the server is listening, so `/health` answers 503 "loading" meanwhile), and its routes.
 If loading fails the process logs one line and exits non-zero instead of serving a half-ready app.
+Once loaded, a service may set `app.state.saturation` to a function that returns why it is too busy
+to take more work right now (or None): `/health` then answers 503 "saturated", so a load balancer
+sends new work to another replica. The OpenAPI document names every status a route may answer and
+the one error body they share (`services.common.errors.ErrorResponse`).
 """
 
 from __future__ import annotations
@@ -12,27 +16,51 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.errors import ApiError, install_error_handlers
+from services.common.errors import ApiError, document_errors, install_error_handlers
 from services.common.logs import configure_logging
 from services.common.middleware import (
     BearerAuthMiddleware,
     BodyLimitMiddleware,
     ObservabilityMiddleware,
     ServiceMetrics,
+    ShutdownGuardMiddleware,
 )
 from services.common.settings import ServiceSettings
 
 log = logging.getLogger("services.app")
 
 Loader = Callable[[FastAPI], None]
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; only our metrics see it
+
+
+class HealthResponse(BaseModel):
+    """200 when ready; 503 while loading, after a failed load, or while saturated."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: str = Field(description="ok, loading, failed or saturated.")
+    service: str
+    error: str | None = Field(None, description="Why loading failed (status failed).")
+    reason: str | None = Field(None, description="Why the service is saturated (status saturated).")
+
+
+HEALTH_RESPONSES = {
+    200: {"model": HealthResponse, "description": "Ready."},
+    503: {"model": HealthResponse, "description": "Loading, failed to load, or saturated."},
+}
+METRICS_RESPONSES = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format."}
+}
 
 
 def create_service_app(
@@ -64,30 +92,72 @@ def create_service_app(
     app.state.load_error = None
     app.state.health_info = {}
     app.state.metrics = ServiceMetrics(name)
+    app.state.saturation = None
 
     install_error_handlers(app)
-    # Outermost first: metrics see every response, auth runs before the body is read.
+    # Added innermost first: the shutdown guard and metrics see every response, auth runs before the
+    # body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.auth_token:
         app.add_middleware(BearerAuthMiddleware, token=settings.auth_token)
     app.add_middleware(ObservabilityMiddleware, metrics=app.state.metrics)
+    app.add_middleware(ShutdownGuardMiddleware)
 
-    @app.get("/health", tags=["ops"])
+    @app.get("/health", tags=["ops"], response_model=HealthResponse, responses=HEALTH_RESPONSES)
     async def health(request: Request) -> JSONResponse:
-        state = request.app.state
-        if state.load_error is not None:
-            return JSONResponse(
-                {"status": "failed", "service": name, "error": state.load_error}, status_code=503
-            )
-        if not state.ready:
-            return JSONResponse({"status": "loading", "service": name}, status_code=503)
-        return JSONResponse({"status": "ok", "service": name, "version": version, **state.health_info})
+        body = health_body(request.app.state, name)
+        status = 200 if body["status"] == "ok" else 503
+        return JSONResponse({**body, "version": version} if status == 200 else body, status_code=status)
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], response_class=Response, responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_errors(base_openapi(), auth=bool(settings.auth_token))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def health_body(state, name: str) -> dict:
+    """What /health says: failed or loading (503), saturated (503), or ok with the service's details."""
+    if state.load_error is not None:
+        return {"status": "failed", "service": name, "error": state.load_error}
+    if not state.ready:
+        return {"status": "loading", "service": name}
+    busy = state.saturation() if state.saturation is not None else None
+    if busy is not None:
+        return {"status": "saturated", "service": name, "reason": busy}
+    return {"status": "ok", "service": name, **state.health_info}
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (call it after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """`work`'s result, or a 499 once the client has gone: `work` is then cancelled, so a client that
+    timed out (and may be retrying) leaves nothing running behind it."""
+    job = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not job.done()
+        if gone:
+            job.cancel()
+    if gone:
+        log.info("client disconnected; its work was cancelled", extra={"path": request.url.path})
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return job.result()
 
 
 async def _load_in_background(app: FastAPI, load: Loader | None) -> None:
@@ -137,6 +207,7 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        timeout_keep_alive=settings.keep_alive_s,
         lifespan="on",
     )
     server = DrainingServer(config)

@@ -16,8 +16,9 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -134,6 +135,30 @@ class _Policy:
         self._rng = random.Random(seed)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
+    def _plan(self, path: str) -> Generator[str | float, httpx.Response | httpx.TransportError | None, Any]:
+        """The retry policy, written once for both clients (sans I/O). It yields the URL to call next,
+        and is sent back the response or the transport error; or it yields a delay in seconds to sleep
+        before the next try. It returns the decoded JSON, or raises ServiceError."""
+        last_problem = "no attempt made"
+        for attempt in range(self.retries + 1):
+            replica = self.replicas.pick()
+            outcome = yield replica.url + path
+            if isinstance(outcome, httpx.Response):
+                done, last_problem = _judge(outcome, replica.url + path)
+                if done:
+                    self.replicas.mark_ok(replica)
+                    return outcome.json()
+            else:  # connect refused, reset, timeouts
+                last_problem = f"{replica.url}{path}: {type(outcome).__name__}: {outcome}"
+            self.replicas.mark_failed(replica)
+            if attempt < self.retries:
+                delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng)
+                log.warning(
+                    "retrying", extra={"problem": last_problem, "attempt": attempt + 1, "delay_s": delay}
+                )
+                yield delay
+        raise ServiceError(f"gave up after {self.retries + 1} attempts: {last_problem}")
+
 
 class AsyncServiceClient(_Policy):
     """Async JSON client with retries and replica spreading. Use as `async with` or call `aclose()`."""
@@ -154,26 +179,21 @@ class AsyncServiceClient(_Policy):
         await self._http.aclose()
 
     async def request(self, method: str, path: str, **kwargs) -> dict | list:
-        last_problem = "no attempt made"
-        for attempt in range(self.retries + 1):
-            replica = self.replicas.pick()
-            try:
-                response = await self._http.request(method, replica.url + path, **kwargs)
-            except httpx.TransportError as exc:  # connect refused, reset, timeouts
-                response, last_problem = None, f"{replica.url}{path}: {type(exc).__name__}: {exc}"
-            if response is not None:
-                done, last_problem = _judge(response, replica.url + path)
-                if done:
-                    self.replicas.mark_ok(replica)
-                    return response.json()
-            self.replicas.mark_failed(replica)
-            if attempt < self.retries:
-                delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng)
-                log.warning(
-                    "retrying", extra={"problem": last_problem, "attempt": attempt + 1, "delay_s": delay}
-                )
-                await asyncio.sleep(delay)
-        raise ServiceError(f"gave up after {self.retries + 1} attempts: {last_problem}")
+        plan = self._plan(path)
+        step = next(plan)
+        try:
+            while True:
+                if isinstance(step, float):
+                    await asyncio.sleep(step)
+                    step = plan.send(None)
+                    continue
+                try:
+                    outcome = await self._http.request(method, step, **kwargs)
+                except httpx.TransportError as exc:
+                    outcome = exc
+                step = plan.send(outcome)
+        except StopIteration as finished:
+            return finished.value
 
     async def get(self, path: str, **kwargs) -> dict | list:
         return await self.request("GET", path, **kwargs)
@@ -214,22 +234,21 @@ class SyncServiceClient(_Policy):
         self._http.close()
 
     def request(self, method: str, path: str, **kwargs) -> dict | list:
-        last_problem = "no attempt made"
-        for attempt in range(self.retries + 1):
-            replica = self.replicas.pick()
-            try:
-                response = self._http.request(method, replica.url + path, **kwargs)
-            except httpx.TransportError as exc:
-                response, last_problem = None, f"{replica.url}{path}: {type(exc).__name__}: {exc}"
-            if response is not None:
-                done, last_problem = _judge(response, replica.url + path)
-                if done:
-                    self.replicas.mark_ok(replica)
-                    return response.json()
-            self.replicas.mark_failed(replica)
-            if attempt < self.retries:
-                time.sleep(backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng))
-        raise ServiceError(f"gave up after {self.retries + 1} attempts: {last_problem}")
+        plan = self._plan(path)
+        step = next(plan)
+        try:
+            while True:
+                if isinstance(step, float):
+                    time.sleep(step)
+                    step = plan.send(None)
+                    continue
+                try:
+                    outcome = self._http.request(method, step, **kwargs)
+                except httpx.TransportError as exc:
+                    outcome = exc
+                step = plan.send(outcome)
+        except StopIteration as finished:
+            return finished.value
 
     def post(self, path: str, payload: dict, **kwargs) -> dict | list:
         return self.request("POST", path, json=payload, **kwargs)

@@ -7,12 +7,38 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("services.errors")
+
+CLIPPED_CHARS = 80
+
+
+def clip(text: str, limit: int = CLIPPED_CHARS) -> str:
+    """A caller's string for an error message: repr'd, and cut so a 15 MB name is not echoed back whole."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+class FieldProblem(BaseModel):
+    field: str = Field(description="The offending field as the caller wrote it, e.g. items.3.response.")
+    msg: str
+    type: str | None = Field(None, description="pydantic's error type, e.g. missing, string_type.")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: str = Field(description="What is wrong, naming the field or limit, in one line.")
+    detail: list[FieldProblem] | None = Field(None, description="One entry per invalid field (422 only).")
 
 
 class ApiError(Exception):
@@ -79,3 +105,75 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", extra={"path": request.url.path})
         return JSONResponse(status_code=500, content={"error": f"internal error: {type(exc).__name__}"})
+
+
+ERROR_STATUS_TEXT = {
+    400: "The body is not readable (broken Content-Length, bytes that are not text).",
+    401: "Missing or wrong bearer token.",
+    404: "No such dataset / split (the message lists what exists).",
+    409: "The request conflicts with the data it names (e.g. a batch larger than its split).",
+    413: "The request is over a size limit (body bytes, items, queries or string length); the message "
+    "names the limit.",
+    422: "A field is missing, of the wrong type or out of range; `detail` names each one.",
+    499: "The client closed the connection before the answer was ready (nobody receives this).",
+    503: "The service is still loading, saturated, or shutting down; retry later.",
+}
+
+
+def document_errors(schema: dict, auth: bool) -> dict:
+    """Make the OpenAPI document say what the error bodies are (ErrorResponse, not FastAPI's
+    HTTPValidationError) and which statuses each operation may answer, so a schema-driven client or
+    fuzzer can hold the service to it. Operations list extra statuses via `responses=` on the route."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(components["ErrorResponse"].pop("$defs", {}))
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, operations in schema.get("paths", {}).items():
+        if path == "/health":  # documents its own 503 (a health body, not an error)
+            continue
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            statuses = {401} if auth else set()
+            if path != "/metrics":
+                statuses |= {422, 503}
+            if method in ("post", "put", "patch"):
+                statuses |= {400, 413}
+            for status in sorted(statuses | {int(s) for s in responses if s.isdigit() and int(s) >= 400}):
+                responses[str(status)] = {
+                    "description": ERROR_STATUS_TEXT.get(status, "Error"),
+                    "content": {"application/json": {"schema": ref}},
+                }
+    if auth:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"bearer": []}]
+        schema["paths"]["/health"]["get"]["security"] = []
+    return schema
+
+
+MAX_REPORTED_ERRORS = 20  # a batch of 4096 bad items should not produce a 4096-line message
+
+
+def load_json(body: bytes):
+    """Parse a body the route reads itself, or raise the 422 FastAPI would give. orjson also refuses
+    lone surrogates, which a tokenizer or a JSON encoder would choke on later."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body",),
+                    "msg": "JSON decode error",
+                    "ctx": {"error": str(exc)},
+                }
+            ]
+        ) from None
+
+
+def body_errors(exc: ValidationError) -> RequestValidationError:
+    """pydantic's errors for a body the route validated itself, as FastAPI's 422 (fields as sent)."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    return RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors[:MAX_REPORTED_ERRORS]])

@@ -35,6 +35,12 @@ class ServiceSettings(BaseSettings):
     graceful_shutdown_s: float = Field(
         10.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
     )
+    keep_alive_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long an idle client connection stays open. Above uvicorn's 5 s, so a busy "
+        "client rarely reuses a connection the server is closing that moment (a reset it must retry).",
+    )
 
 
 def _unwrap_optional(annotation: Any) -> Any:

@@ -14,7 +14,7 @@ from services.common.app import create_service_app, require_ready
 from services.common.errors import ApiError
 from services.common.settings import ServiceSettings
 from services.data_server import sources
-from services.data_server.core import DataStore, NotFound, RequestError
+from services.data_server.core import Conflict, DataStore, NotFound, RequestError
 from services.data_server.schemas import (
     BatchRequest,
     BatchResponse,
@@ -25,6 +25,13 @@ from services.data_server.schemas import (
 )
 
 log = logging.getLogger("services.data_server")
+
+NOT_FOUND = {404: {"description": "Unknown dataset or split."}}
+BATCH_RESPONSES = {
+    **NOT_FOUND,
+    409: {"description": "A batch larger than the split, or a cursor issued for another split."},
+}
+SEED_SPLIT = "train"  # what GET /prompts serves and GET /stats counts unless told otherwise
 
 
 class DataServerSettings(ServiceSettings):
@@ -79,7 +86,7 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
     def get_store(state=Depends(require_ready)) -> DataStore:
         return state.store
 
-    @app.post("/v1/batches", response_model=BatchResponse, tags=["data"])
+    @app.post("/v1/batches", response_model=BatchResponse, tags=["data"], responses=BATCH_RESPONSES)
     async def batches(request: BatchRequest, store: DataStore = Depends(get_store)) -> Response:
         if request.batch_size > settings.max_batch_size:
             raise ApiError(422, f"invalid request: batch_size: must be at most {settings.max_batch_size}")
@@ -87,6 +94,8 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
             body = store.batch_json(request.dataset, request.split, request.batch_size, request.cursor)
         except NotFound as exc:
             raise ApiError(404, str(exc)) from None
+        except Conflict as exc:
+            raise ApiError(409, f"invalid request: {exc}") from None
         except RequestError as exc:
             raise ApiError(422, f"invalid request: {exc}") from None
         return Response(body, media_type="application/json")
@@ -95,41 +104,53 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
     def list_datasets(store: DataStore = Depends(get_store)) -> DatasetsResponse:
         return DatasetsResponse(datasets=store.describe())
 
-    @app.get("/prompts", response_model=SeedPromptBatch, tags=["seed-compatible"])
+    @app.get("/prompts", response_model=SeedPromptBatch, tags=["seed-compatible"], responses=NOT_FOUND)
     def prompts(
-        batch_size: int = Query(4, ge=1),
+        batch_size: int = Query(4, ge=1, le=settings.max_batch_size),
         shuffle: bool = Query(True),
         dataset: str | None = Query(None, description="Defaults to the first dataset."),
-        split: str = Query("train"),
+        split: str = Query(SEED_SPLIT),
         store: DataStore = Depends(get_store),
     ) -> SeedPromptBatch:
-        if batch_size > settings.max_batch_size:
-            raise ApiError(422, f"invalid request: batch_size: must be at most {settings.max_batch_size}")
         name = dataset or next(iter(store.datasets))
         try:
             items = store.split_items(name, split)
         except NotFound as exc:
             raise ApiError(404, str(exc)) from None
         chosen = random.sample(items, min(batch_size, len(items))) if shuffle else items[:batch_size]
-        return SeedPromptBatch(
-            prompts=[
-                SeedPrompt(
-                    prompt=item["prompt"][-1]["content"],
-                    ground_truth=str(item["reward_model"]["ground_truth"]),
-                    question_id=item["uid"],
-                )
-                for item in chosen
-            ],
-            total_available=len(items),
-        )
+        return SeedPromptBatch(prompts=[seed_prompt(item) for item in chosen], total_available=len(items))
 
     @app.get("/stats", response_model=SeedStats, tags=["seed-compatible"])
     def stats(store: DataStore = Depends(get_store)) -> SeedStats:
         described = store.describe()
+        default = described[0]
         return SeedStats(
-            total_prompts=sum(described[0]["splits"].values()),
-            dataset=described[0]["name"],
+            total_prompts=default["splits"].get(SEED_SPLIT, 0),
+            dataset=default["name"],
             datasets={d["name"]: d["splits"] for d in described},
         )
 
+    document_limits(app, settings)
     return app
+
+
+def document_limits(app: FastAPI, settings: DataServerSettings) -> None:
+    """The settings' limit on batch_size goes into the document (the route checks it with its own message)."""
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            batch_size = schema["components"]["schemas"]["BatchRequest"]["properties"]["batch_size"]
+            batch_size["maximum"] = settings.max_batch_size
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def seed_prompt(item: dict) -> SeedPrompt:
+    return SeedPrompt(
+        prompt=item["prompt"][-1]["content"],
+        ground_truth=str(item["reward_model"]["ground_truth"]),
+        question_id=item["uid"],
+    )

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.errors import clip
+from services.data_server.schemas import CURSOR_PATTERN
 from services.data_server.sources import Dataset
+
+_CURSOR = re.compile(CURSOR_PATTERN)
 
 
 class RequestError(ValueError):
@@ -30,6 +35,11 @@ class RequestError(ValueError):
 class CursorError(RequestError):
     def __init__(self, message: str) -> None:
         super().__init__("cursor", message)
+
+
+class Conflict(RequestError):
+    """A well-formed request that does not fit the split it names (409): a batch larger than the split,
+    a cursor issued for another dataset, split, seed or size. The schema cannot say these; the data does."""
 
 
 class NotFound(LookupError):
@@ -53,14 +63,14 @@ def encode_cursor(cursor: Cursor, print_: str) -> str:
 def decode_cursor(text: str | None, print_: str, size: int) -> Cursor:
     if not text:
         return Cursor(0, 0)
-    parts = text.split(".")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        raise CursorError(f"cursor {text[:64]!r} is malformed: expected '<epoch>.<offset>.<fingerprint>'")
-    if parts[2] != print_:
-        raise CursorError("cursor was issued for another dataset, split, seed or dataset size")
-    cursor = Cursor(int(parts[0]), int(parts[1]))
+    parts = _CURSOR.fullmatch(text)
+    if parts is None:
+        raise CursorError(f"cursor {clip(text, 64)} is malformed: expected '<epoch>.<offset>.<fingerprint>'")
+    if parts[3] != print_:
+        raise Conflict("cursor", "cursor was issued for another dataset, split, seed or dataset size")
+    cursor = Cursor(int(parts[1]), int(parts[2]))
     if cursor.offset >= size:
-        raise CursorError(f"cursor offset {cursor.offset} is beyond the split's {size} items")
+        raise Conflict("cursor", f"cursor offset {cursor.offset} is beyond the split's {size} items")
     return cursor
 
 
@@ -102,17 +112,18 @@ class DataStore:
 
     def split_items(self, dataset: str, split: str) -> list[dict]:
         if dataset not in self.datasets:
-            raise NotFound(f"unknown dataset {dataset!r}; available: {sorted(self.datasets)}")
+            raise NotFound(f"unknown dataset {clip(dataset)}; available: {sorted(self.datasets)}")
         splits = self.datasets[dataset].splits
         if split not in splits:
-            raise NotFound(f"dataset {dataset!r} has no split {split!r}; available: {sorted(splits)}")
+            raise NotFound(f"dataset {dataset!r} has no split {clip(split)}; available: {sorted(splits)}")
         return splits[split]
 
     def batch_json(self, dataset: str, split: str, batch_size: int, cursor: str | None) -> bytes:
         """The whole BatchResponse body as JSON bytes."""
         size = len(self.split_items(dataset, split))
         if batch_size > size:
-            raise RequestError("batch_size", f"{batch_size} is larger than split {split!r} ({size} items)")
+            problem = f"{batch_size} is larger than split {split!r} ({size} items): it would repeat items"
+            raise Conflict("batch_size", problem)
         print_ = fingerprint(dataset, split, self.seed, size)
         start = decode_cursor(cursor, print_, size)
         indices, after = window(self.seed, dataset, split, size, start, batch_size)

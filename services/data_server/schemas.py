@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.wire import JsonInt
+
 # verl's GSM8K preprocessing appends exactly this to each question.
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # verl's MATH preprocessing asks for a boxed answer.
@@ -35,14 +37,26 @@ class Item(BaseModel):
     extra_info: dict[str, Any] = Field(default_factory=dict)
 
 
+# `<epoch>.<offset>.<fingerprint>`: ASCII digits only (str.isdigit() also takes "²", which int() refuses)
+# and few enough that int() stays cheap; 18 digits is past any real epoch or offset.
+CURSOR_PATTERN = r"^([0-9]{1,18})\.([0-9]{1,18})\.([0-9a-f]{8})$"
+
+
 class BatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict types: `batch_size: true` or `"8"` is a 422, not a silent coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     dataset: str = Field("synthetic-arith", description="A name from GET /v1/datasets.")
     split: str = Field("train", description="A split of that dataset, e.g. train or test.")
-    batch_size: int = Field(..., ge=1, description="Items to return (at most the server's max_batch_size).")
+    batch_size: JsonInt = Field(
+        ..., ge=1, description="Items to return (at most the server's max_batch_size)."
+    )
     cursor: str | None = Field(
-        None, description="next_cursor of the previous batch; omit to start at epoch 0, offset 0."
+        None,
+        pattern=CURSOR_PATTERN,
+        description="next_cursor of the previous batch (`<epoch>.<offset>.<fingerprint>`); omit to start "
+        "at epoch 0, offset 0.",
     )
 
 
@@ -78,6 +92,9 @@ class SeedPromptBatch(BaseModel):
 
 
 class SeedStats(BaseModel):
-    total_prompts: int
-    dataset: str
-    datasets: dict[str, dict[str, int]]
+    total_prompts: int = Field(
+        description="Prompts GET /prompts draws from by default (the first dataset's train split): "
+        "the same number as its total_available."
+    )
+    dataset: str = Field(description="The dataset GET /prompts serves by default.")
+    datasets: dict[str, dict[str, int]] = Field(description="Every dataset's split sizes.")

@@ -1,8 +1,9 @@
-"""The retrieval-server's core: a loaded index answering a micro-batch of requests.
+"""The retrieval-server's core: a loaded index answering a micro-batch of request slices.
 
-`Retriever.answer(jobs)` embeds every query of the batch in one call, runs one search per distinct
-topk (so each answer is what that request alone would get), and writes each request's response
-body by splicing the stored passages' JSON bytes: nothing is parsed or re-encoded on the way out.
+`Retriever.answer(slices)` embeds every query of the batch in one call, runs one search per distinct
+topk (so each answer is what that request alone would get), and writes each query's hit list by
+splicing the stored passages' JSON bytes: nothing is parsed or re-encoded on the way out.
+`response_body` joins a request's hit lists into its /retrieve answer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.retrieval_server.batcher import Slice
 from services.retrieval_server.index import DenseSearcher, SparseSearcher
 from services.retrieval_server.store import (
     DocStore,
@@ -27,6 +29,10 @@ from services.retrieval_server.store import (
 log = logging.getLogger("services.retrieval_server")
 
 
+CHARS_PER_TOKEN = 4  # English text through a WordPiece/BPE vocabulary; a cost estimate, not a count
+SPARSE_MAX_COST = 1024
+
+
 @dataclass(frozen=True)
 class SearchJob:
     """One /retrieve request, validated."""
@@ -34,6 +40,10 @@ class SearchJob:
     queries: list[str]
     topk: int
     return_scores: bool
+
+    @property
+    def options(self) -> tuple[int, bool]:
+        return (self.topk, self.return_scores)
 
 
 def hits_json(store: DocStore, scores: np.ndarray, rows: np.ndarray, return_scores: bool) -> bytes:
@@ -51,10 +61,9 @@ def hits_json(store: DocStore, scores: np.ndarray, rows: np.ndarray, return_scor
     return b"[" + b",".join(parts) + b"]"
 
 
-def response_json(store: DocStore, scores: np.ndarray, rows: np.ndarray, return_scores: bool) -> bytes:
+def response_body(hit_lists: list[bytes]) -> bytes:
     """A whole /retrieve body: `{"result": [hits of query 1, hits of query 2, ...]}`."""
-    lists = [hits_json(store, s, r, return_scores) for s, r in zip(scores, rows)]
-    return b'{"result":[' + b",".join(lists) + b"]}"
+    return b'{"result":[' + b",".join(hit_lists) + b"]}"
 
 
 class Retriever:
@@ -69,25 +78,33 @@ class Retriever:
                 f"the index holds {searcher.count} vectors but the store {len(store)} passages"
             )
 
-    def answer(self, jobs: list[SearchJob]) -> list[bytes]:
-        """Response bodies for a micro-batch: one embed call for all its queries, one search per topk."""
-        encoded = self.searcher.encode([q for job in jobs for q in job.queries])
-        first_row = np.cumsum([0] + [len(job.queries) for job in jobs])
+    def query_cost(self, query: str) -> int:
+        """Estimated work of embedding `query`, in tokens: the embedder reads at most max_tokens."""
+        return min(self.max_tokens, 2 + len(query) // CHARS_PER_TOKEN)
+
+    @property
+    def max_tokens(self) -> int:
+        embedder = getattr(self.searcher, "embedder", None)
+        return int(getattr(embedder, "max_tokens", 0) or SPARSE_MAX_COST)
+
+    def answer(self, slices: list[Slice]) -> list[list[bytes]]:
+        """Per slice, each query's hit list: one embed call for all queries, one search per topk."""
+        encoded = self.searcher.encode([q for piece in slices for q in piece.queries])
+        first_row = np.cumsum([0] + [len(piece.queries) for piece in slices])
         by_topk: dict[int, list[int]] = defaultdict(list)
-        for j, job in enumerate(jobs):
-            by_topk[job.topk].append(j)
-        bodies = [b""] * len(jobs)
+        for j, piece in enumerate(slices):
+            by_topk[piece.options[0]].append(j)
+        answers: list[list[bytes]] = [[] for _ in slices]
         for topk, members in by_topk.items():
             rows = np.concatenate([np.arange(first_row[j], first_row[j + 1]) for j in members])
             scores, hits = self.searcher.search(_take(encoded, rows), topk)
             at = 0
             for j in members:
-                n = len(jobs[j].queries)
-                bodies[j] = response_json(
-                    self.store, scores[at : at + n], hits[at : at + n], jobs[j].return_scores
-                )
-                at += n
-        return bodies
+                return_scores = slices[j].options[1]
+                for _ in slices[j].queries:
+                    answers[j].append(hits_json(self.store, scores[at], hits[at], return_scores))
+                    at += 1
+        return answers
 
     def close(self) -> None:
         self.store.close()

@@ -119,6 +119,7 @@ class Embedder:
         self.precision = resolve_precision(precision, device)
         self.device = device
         self.dimension = self._dimension()
+        self.max_tokens = int(getattr(self.model, "max_seq_length", None) or 512)  # longer input is cut
 
     def _dimension(self) -> int:
         getter = (

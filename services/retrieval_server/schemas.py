@@ -11,25 +11,37 @@ verl's SearchTool splits into a title line and a body.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr
+from services.common.wire import JsonInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, WithJsonSchema
+
+
+# A query needs one character that is not ASCII white space. Spelled out, not `\S`: Python's and the
+# JSON Schema (ECMA) regex engines disagree on which other characters are white space.
+NOT_BLANK = r"[^ \t\n\r\f\v]"
+_NOT_BLANK = re.compile(NOT_BLANK)
 
 
 def _not_blank(query: str) -> str:
-    if not query.strip():
+    if _NOT_BLANK.search(query) is None:
         raise ValueError("query is an empty string")
     return query
 
 
-Query = Annotated[StrictStr, AfterValidator(_not_blank)]
+Query = Annotated[
+    StrictStr, AfterValidator(_not_blank), WithJsonSchema({"type": "string", "pattern": NOT_BLANK})
+]
 
 
 class RetrieveRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict types: `topk: "3"` or `return_scores: "yes"` is a 422, not a silent coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     queries: list[Query] = Field(..., min_length=1, description="Search queries; one result list per query.")
-    topk: int | None = Field(
+    topk: JsonInt | None = Field(
         None, description="Passages per query, 1..max_topk; omitted or null: the server's default_topk."
     )
     return_scores: bool = Field(

@@ -4,6 +4,10 @@
 the trainer can hold either. A long list is split into requests that respect the server's limits
 (items per request, body bytes; read once from GET /v1/scorers) and sent a few at a time, spread
 over the replicas.
+
+Retries cannot pile work up on a server: the default timeout (300 s) is above the server's request
+deadline (120 s), so the server answers first (late items carry a deadline error); and a request the
+client does give up on closes its connection, which makes the server drop that request's work.
 """
 
 from __future__ import annotations

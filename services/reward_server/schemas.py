@@ -10,56 +10,76 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator, with_config
+from services.common.wire import JsonInt
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, with_config
 from typing_extensions import NotRequired, TypedDict
 
 ScorerName = Literal["gsm8k", "math", "qa_em", "qa_f1", "model"]
 
 
-class RewardOptions(BaseModel):
-    """Per-request scoring knobs. Every default lives here; the server keeps none of its own."""
+# Bounds on the additive terms: any sum of them stays a finite float (1e308 + 1e308 would not).
+MAX_TERM = 1e6
+MAX_TOKENS = 10**9
 
-    model_config = ConfigDict(extra="forbid")
+
+class RewardOptions(BaseModel):
+    """Per-request scoring knobs. Every default lives here; the server keeps none of its own.
+
+    Types are strict (`true` is not a number, `"3"` is not an integer) and every bound is in the schema.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     gsm8k_method: Literal["strict", "flexible"] = Field(
         "strict",
         description="strict: the last '#### <number>' in the tail; flexible: the tail's last number (verl).",
     )
     format_score: float = Field(
-        0.0, description="Score of an answer that was found but is wrong (verl's format_score)."
+        0.0,
+        ge=-MAX_TERM,
+        le=MAX_TERM,
+        description="Score of an answer that was found but is wrong (verl's format_score).",
     )
     format_bonus: float = Field(
-        0.0, ge=0, description="Added when the response has the scorer's answer format (see GET /v1/scorers)."
+        0.0,
+        ge=0,
+        le=MAX_TERM,
+        description="Added when the response has the scorer's answer format (see GET /v1/scorers).",
     )
     format_penalty: float = Field(
-        0.0, ge=0, description="Subtracted when the response lacks the scorer's answer format."
+        0.0, ge=0, le=MAX_TERM, description="Subtracted when the response lacks the scorer's answer format."
     )
     overlong_enable: bool = Field(
         False,
         description="DAPO overlong shaping; needs extra_info.response_length (tokens) on every item.",
     )
-    overlong_max_len: int = Field(
-        4096, ge=1, description="Longest response (tokens) the rollout may produce."
+    overlong_max_len: JsonInt = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Longest response (tokens) the rollout may produce."
     )
-    overlong_buffer_len: int = Field(
+    overlong_buffer_len: JsonInt = Field(
         1024,
         ge=0,
+        le=MAX_TOKENS,
         description="The penalty grows linearly over the last this-many tokens before max_len "
-        "(0: a full penalty only beyond max_len).",
+        "(0: a full penalty only beyond max_len). A buffer longer than max_len keeps the same slope, "
+        "so even short responses get part of the penalty (the trainer never sends one).",
     )
-    overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at (and beyond) max_len.")
-
-    @model_validator(mode="after")
-    def _buffer_fits(self) -> RewardOptions:
-        if self.overlong_buffer_len > self.overlong_max_len:
-            raise ValueError("overlong_buffer_len must not exceed overlong_max_len")
-        return self
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, le=MAX_TERM, description="Penalty at (and beyond) max_len."
+    )
+    deadline_s: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="Deadline of this request in seconds; items not scored by then get a deadline error. "
+        "At most the server's request_deadline_s (GET /v1/scorers); unset: that.",
+    )
 
 
 class RewardItem(BaseModel):
     """One response to score: a verl row's fields plus the generated text."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     data_source: str = Field(description="Selects the scorer the way verl does, e.g. 'openai/gsm8k', 'nq'.")
     response: str = Field(description="The generated text (the response only, not the prompt).")
@@ -73,7 +93,7 @@ class RewardItem(BaseModel):
     prompt: str | None = Field(None, description="The prompt text; only the reward model reads it.")
 
 
-@with_config(ConfigDict(extra="forbid"))
+@with_config(ConfigDict(extra="forbid", strict=True))
 class RewardItemDict(TypedDict):
     data_source: str
     response: str
@@ -91,13 +111,13 @@ class RewardResult(BaseModel):
 
 
 class RewardsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     items: list[RewardItem]
     options: RewardOptions | None = None
 
 
-@with_config(ConfigDict(extra="forbid"))
+@with_config(ConfigDict(extra="forbid", strict=True))
 class RewardsRequestDict(TypedDict):
     items: list[RewardItemDict]
     options: NotRequired[RewardOptions | None]
@@ -108,6 +128,9 @@ REWARDS_REQUEST = TypeAdapter(RewardsRequestDict)
 
 class RewardsResponse(BaseModel):
     results: list[RewardResult]
+    deadline_exceeded: bool = Field(
+        False, description="True when some items were not scored before the request's deadline."
+    )
 
 
 class ScorerInfo(BaseModel):
@@ -123,6 +146,7 @@ class Limits(BaseModel):
     max_string_chars: int
     max_request_bytes: int
     math_timeout_s: float
+    request_deadline_s: float
 
 
 class ScorersResponse(BaseModel):
@@ -131,8 +155,10 @@ class ScorersResponse(BaseModel):
     limits: Limits
 
 
-# The seed example's shapes (POST /reward, POST /batch_reward), kept so its clients keep working.
+# The seed example's shapes (POST /reward, POST /batch_reward, GET /stats), kept so its clients keep working.
 class SeedRewardRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     prompt: str
     response: str
     ground_truth: str
@@ -146,9 +172,25 @@ class SeedRewardResult(BaseModel):
 
 
 class SeedBatchRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     items: list[SeedRewardRequest]
 
 
 class SeedBatchResult(BaseModel):
     rewards: list[SeedRewardResult]
     accuracy: float
+
+
+class SeedStats(BaseModel):
+    """GET /stats: the SkyPilot job-group example's fields, then this server's counters."""
+
+    service: str = "reward-server"
+    type: str = Field(description="rule-based, or rule-based+model when a reward model is loaded.")
+    supported_tasks: list[str] = Field(description="The scorers this server can run now.")
+    items_scored: int = Field(description="Items scored since start, all routes.")
+    item_errors: int = Field(description="Items that got an error (score 0) since start.")
+    requests_past_deadline: int = Field(description="Requests that hit their deadline since start.")
+    math_timeouts: int
+    math_worker_crashes: int
+    cancelled_math_items: int = Field(description="Math items dropped because their request ended.")

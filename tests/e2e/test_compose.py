@@ -7,14 +7,22 @@ module and script exists; the healthcheck command really tells a live service fr
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import pytest
 import tomllib
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.e2e.test_jobgroup_yaml import (
     check_module_call,
@@ -23,7 +31,7 @@ from tests.e2e.test_jobgroup_yaml import (
     train_sh_argv,
     trainer_dry_run,
 )
-from tests.helpers import ROOT, free_port, small_data_server
+from tests.helpers import ROOT, SHARED_DATA, free_port, small_data_server
 
 DOCKER = ROOT / "docker"
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
@@ -58,12 +66,14 @@ def dockerfile_of(service: dict):
     return context, context / service["build"]["dockerfile"]
 
 
-def copy_sources(dockerfile_text: str) -> list[str]:
+def copy_sources(dockerfile_text: str, args: dict[str, str]) -> list[str]:
+    """COPY sources from the build context, with ${ARG} filled in from the build args and ARG defaults."""
+    values = dict(re.findall(r"^ARG (\w+)=(\S*)", dockerfile_text, re.MULTILINE)) | args
     sources = []
     for line in dockerfile_text.splitlines():
         if line.startswith("COPY ") and "--from" not in line:
             sources += [s for s in line.split()[1:-1] if not s.startswith("--")]
-    return sources
+    return [re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], s) for s in sources]
 
 
 def test_the_four_services():
@@ -98,7 +108,7 @@ def test_dockerfiles_copy_sources_and_build_args_exist(name):
     context, dockerfile = dockerfile_of(service)
     assert context == ROOT and dockerfile.is_file(), dockerfile
     text = dockerfile.read_text()
-    for source in copy_sources(text):
+    for source in copy_sources(text, service["build"].get("args", {})):
         assert (context / source).exists(), f"{dockerfile.name}: COPY {source} does not exist"
     declared = set(re.findall(r"^ARG (\w+)", text, re.MULTILINE))
     assert set(service["build"].get("args", {})) <= declared
@@ -117,13 +127,17 @@ def test_commands_name_modules_and_scripts_that_exist(name):
         check_module_call(call)
 
 
+def locked(lock: str) -> dict[str, str]:
+    """docker/locks/LOCK.txt as {normalised name: version}."""
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (DOCKER / "locks" / f"{lock}.txt").read_text(), re.M)
+    return {canonicalize_name(name): version for name, version in pins}
+
+
 def test_services_image_for_data_and_reward_has_no_torch():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name in ("data-server", "reward-server"):
-        assert SERVICES[name]["build"]["args"]["EXTRAS"] == "services"
-    names = {re.split(r"[<>=\[ ;]", dep)[0].lower() for dep in extras["services"]}
-    assert not names & {"torch", "sentence-transformers", "transformers"}, names
-    assert SERVICES["retrieval-server"]["build"]["args"]["EXTRAS"] == "retrieval"
+        assert SERVICES[name]["build"]["args"]["LOCK"] == "services"
+    assert not set(locked("services")) & {"torch", "sentence-transformers", "transformers"}
+    assert SERVICES["retrieval-server"]["build"]["args"]["LOCK"] == "retrieval"
 
 
 def run_healthcheck(test: list[str], port: int) -> int:
@@ -150,3 +164,365 @@ def test_trainer_command_with_compose_environment_gives_a_config_the_trainer_acc
     assert keys["trainer.default_local_dir"].startswith("/checkpoints/")
     assert keys["trainer.logger"] == "['console']"  # WANDB_API_KEY empty by default
     trainer_dry_run(argv[3:])
+
+
+# ------------------------------------------------------------ locks and the CPU overlay, without an engine
+
+LOCK_SH = DOCKER / "locks" / "lock.sh"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags (`!reset`, `!override`), read as {"!tag": value}."""
+
+
+def _compose_tag(loader: ComposeLoader, suffix: str, node: yaml.Node) -> dict:
+    if isinstance(node, yaml.MappingNode):
+        value = loader.construct_mapping(node, deep=True)
+    elif isinstance(node, yaml.SequenceNode):
+        value = loader.construct_sequence(node, deep=True)
+    else:
+        value = loader.construct_scalar(node)
+    return {f"!{suffix}": value}
+
+
+ComposeLoader.add_multi_constructor("!", _compose_tag)
+CPU_OVERLAY = yaml.load((DOCKER / "compose.cpu.yaml").read_text(), Loader=ComposeLoader)["services"]
+
+
+def lock_sets() -> dict[str, tuple[str, str, list[str]]]:
+    """lock.sh's `lock NAME PYTHON TORCH EXTRA...` lines: {name: (python, torch, extras)}."""
+    found = re.findall(r"^lock (\S+) (\S+) (\S+) (.+)$", LOCK_SH.read_text(), re.MULTILINE)
+    return {name: (python, torch, extras.split()) for name, python, torch, extras in found}
+
+
+def requirements_of(extras: list[str]) -> list[Requirement]:
+    """The project's core dependencies plus those of `extras`, self-references (rl-jobgroup[x]) expanded."""
+    project = PYPROJECT["project"]
+    todo, seen, found = list(extras), set(), [Requirement(r) for r in project["dependencies"]]
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for text in project["optional-dependencies"][extra]:
+            req = Requirement(text)
+            if canonicalize_name(req.name) == "rl-jobgroup":
+                todo += sorted(req.extras)
+            else:
+                found.append(req)
+    return found
+
+
+def test_lock_sh_locks_every_lock_that_compose_or_a_dockerfile_names():
+    sets = lock_sets()
+    assert {
+        "services",
+        "retrieval",
+        "reward-model",
+        "reward-model-cpu",
+        "trainer-cuda",
+        "trainer-cpu",
+    } <= set(sets)
+    for name in sets:
+        assert (DOCKER / "locks" / f"{name}.txt").is_file(), f"run: bash {LOCK_SH.relative_to(ROOT)}"
+    named = [s["build"]["args"]["LOCK"] for s in SERVICES.values() if "LOCK" in s["build"].get("args", {})]
+    named += [CPU_OVERLAY[TRAINER]["build"]["args"]["LOCK"]]
+    for dockerfile in DOCKER.glob("Dockerfile.*"):
+        named += re.findall(r"^ARG LOCK=(\S+)", dockerfile.read_text(), re.MULTILINE)
+    assert set(named) <= set(sets), set(named) - set(sets)
+
+
+@pytest.mark.parametrize("lock", sorted(lock_sets()))
+def test_lock_satisfies_pyproject(lock):
+    """Every dependency of the lock's extras is pinned there at a version pyproject.toml accepts."""
+    python, torch_kind, extras = lock_sets()[lock]
+    pins = locked(lock)
+    environment = {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux"}
+    for req in requirements_of(extras):
+        if req.marker and not req.marker.evaluate(environment):
+            continue
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{lock}: {req} is not locked; run: bash docker/locks/lock.sh"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{lock}: {name}=={pins[name]} vs {req}"
+    if torch_kind == "cpu":  # PyTorch's CPU build: no CUDA wheels in the image
+        assert pins["torch"].endswith("+cpu") and not [n for n in pins if n.startswith("nvidia-")]
+    elif torch_kind == "cuda":
+        assert "+" not in pins["torch"] and "nvidia-cudnn-cu12" in pins  # CUDA 12, the base image's
+    else:
+        assert "torch" not in pins
+
+
+def test_reward_model_extra_brings_what_the_scorer_imports():
+    names = {canonicalize_name(r.name) for r in requirements_of(["reward-model"])}
+    assert {"torch", "transformers", "fastapi"} <= names
+    assert {"torch", "transformers"} <= set(locked("reward-model")) & set(locked("reward-model-cpu"))
+
+
+def test_cpu_trainer_is_the_same_dockerfile_with_other_build_args():
+    build = CPU_OVERLAY[TRAINER]["build"]
+    assert set(build) == {"args"}, "the CPU variant may change build args only"
+    declared = set(re.findall(r"^ARG (\w+)", (DOCKER / "Dockerfile.trainer").read_text(), re.MULTILINE))
+    assert set(build["args"]) <= declared
+    assert build["args"]["BASE_IMAGE"] == "python:3.11-slim" and build["args"]["LOCK"] == "trainer-cpu"
+    assert CPU_OVERLAY[TRAINER]["deploy"] == {"!reset": {}}  # no GPU reservation
+    for name in set(CPU_OVERLAY) - {TRAINER}:
+        assert "build" not in CPU_OVERLAY[name], f"{name}: the overlay must not change how services build"
+
+
+# ------------------------------------------------------ the images built and the group run (marker docker)
+#
+# The commands are README's "Docker compose" section: build the images (the CPU trainer variant included),
+# `up` the four containers on their compose network, wait for the trainer's 2 GRPO steps, then a health
+# check and one real request to each service, and `down`. Host ports are free loopback ones, and the
+# compose project name is this run's own, so a developer's group on this machine is left alone.
+
+DOCKER_HERE = ROOT.parent / "shared" / "tools" / "docker_here.sh"
+COMPOSE_FILES = ["-f", "docker/compose.yaml", "-f", "docker/compose.cpu.yaml"]
+BUILT = ["data-server", "retrieval-server", TRAINER]  # reward-server runs data-server's image
+IMAGES = {
+    "services": "rl-jobgroup-services:latest",
+    "retrieval": "rl-jobgroup-retrieval:latest",
+    "trainer CPU": "rl-jobgroup-trainer-cpu:latest",
+}
+PORTS = {"data-server": 8000, "reward-server": 8001, "retrieval-server": 8002}
+CORPUS_ROWS = 300
+
+
+def start_docker() -> str | None:
+    """Start a Docker engine and compose with docker_here.sh: None once they run, else why they cannot."""
+    if not DOCKER_HERE.is_file():
+        return f"{DOCKER_HERE} (which installs and starts Docker here) is not there"
+    try:
+        done = subprocess.run(["bash", str(DOCKER_HERE)], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return f"{DOCKER_HERE.name} did not finish within 900 s"
+    if done.returncode != 0:
+        return f"{DOCKER_HERE.name} failed: {done.stderr.strip()[-500:]}"
+    return None
+
+
+def stage_cpu_torch() -> str:
+    """Put PyTorch's CPU wheel in docker/wheels/ where pip finds it; return the TORCH_INDEX to build with."""
+    wheels = DOCKER / "wheels"
+    if not list(wheels.glob("torch-*+cpu-*.whl")):
+        torch_pin = f"torch=={locked('trainer-cpu')['torch']}"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), torch_pin],
+            capture_output=True,
+            timeout=600,
+        )
+    # With the wheel at hand the build needs PyPI only; without it, PyTorch's CPU index.
+    return "" if list(wheels.glob("torch-*+cpu-*.whl")) else "https://download.pytorch.org/whl/cpu"
+
+
+def gsm8k_folder(tmp: Path) -> Path:
+    """GSM8K from ../shared/data when it is there, else a small synthetic set in GSM8K's format."""
+    shared = SHARED_DATA / "gsm8k"
+    if (shared / "train.jsonl").is_file():
+        return shared
+    folder = tmp / "gsm8k"
+    folder.mkdir()
+    for split, count in (("train", 64), ("test", 8)):
+        rows = [
+            {"question": f"What is {i} plus {i + 3}?", "answer": f"#### {2 * i + 3}"} for i in range(count)
+        ]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def small_corpus(tmp: Path) -> Path:
+    """The first CORPUS_ROWS passages of the Search-R1 wiki-18 sample (or SQuAD's, or made-up ones)."""
+    rows = []
+    for name in ("flashrag_wiki18_sample.jsonl", "squad_dev_corpus.jsonl"):
+        path = SHARED_DATA / "wiki" / name
+        if path.is_file():
+            rows = [json.loads(line) for line in path.read_text().splitlines()[:CORPUS_ROWS]]
+            break
+    rows = rows or [
+        {"id": str(i), "contents": f'"Topic {i}"\nFacts about topic number {i}.'} for i in range(50)
+    ]
+    path = tmp / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": r["id"], "contents": r["contents"]}) + "\n" for r in rows))
+    return path
+
+
+@dataclass
+class Group:
+    """A compose project of this run: its environment, and the trainer's exit code and log once it ended."""
+
+    project: str
+    env: dict[str, str]
+    corpus: Path
+    gsm8k: Path
+    timings: dict[str, float] = field(default_factory=dict)
+    trainer_exit: int | None = None
+    trainer_log: str = ""
+
+    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+        argv = ["docker", "compose", "-p", self.project, *COMPOSE_FILES, *args]
+        done = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            logs = subprocess.run(
+                [
+                    "docker",
+                    "compose",
+                    "-p",
+                    self.project,
+                    *COMPOSE_FILES,
+                    "logs",
+                    "--no-color",
+                    "--tail",
+                    "40",
+                ],
+                cwd=ROOT,
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout
+            raise AssertionError(
+                f"{shlex.join(argv[4:])} exited {done.returncode}:\n{done.stdout[-3000:]}\n"
+                f"{done.stderr[-3000:]}\nlogs:\n{logs[-6000:]}"
+            )
+        return done
+
+    def timed(self, label: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        start = time.monotonic()
+        try:
+            return self.compose(*args, timeout=timeout)
+        finally:
+            self.timings[label] = time.monotonic() - start
+
+    def url(self, service: str) -> str:
+        host_port = self.compose("port", service, str(PORTS[service])).stdout.strip()
+        return f"http://{host_port}"
+
+
+def image_size_mb(image: str) -> float:
+    done = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True)
+    return int(done.stdout or 0) / 1e6
+
+
+@pytest.fixture(scope="module")
+def group(request, tmp_path_factory):
+    why_not = start_docker()
+    if why_not:
+        pytest.skip(f"no Docker engine can be started here: {why_not}")
+    tmp = tmp_path_factory.mktemp("compose")
+    from testing.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp / "model", hidden=64, layers=2, heads=4, kv_heads=2, tokenizer="char")
+    loopback = {f"{name.upper().replace('-', '_')}_PUBLISH": "127.0.0.1:" for name in PORTS}
+    env = {
+        **os.environ,
+        **loopback,
+        "GSM8K_DIR": str(gsm8k_folder(tmp)),
+        "RETRIEVAL_CORPUS_FILE": str(small_corpus(tmp)),
+        "MODEL_DIR": str(model),
+        "TORCH_INDEX": stage_cpu_torch(),
+    }
+    run = Group(f"rljg-test-{os.getpid()}", env, Path(env["RETRIEVAL_CORPUS_FILE"]), Path(env["GSM8K_DIR"]))
+    report = request.config.pluginmanager.get_plugin("terminalreporter")
+    try:
+        run.timed("build (3 images)", "build", *BUILT, timeout=2400)
+        run.timed("up (services healthy, trainer started)", "up", "--detach", "--no-build", timeout=900)
+        start = time.monotonic()
+        waited = run.compose("wait", TRAINER, timeout=900, check=False)
+        run.timings["trainer run (2 GRPO steps)"] = time.monotonic() - start
+        # `compose wait` prints the trainer's exit code (and exits with it).
+        run.trainer_exit = int(waited.stdout.split()[-1]) if waited.stdout.split() else waited.returncode
+        run.trainer_log = run.compose("logs", "--no-color", TRAINER).stdout
+        yield run
+    finally:
+        run.timed("down", "down", "--volumes", "--remove-orphans", timeout=300)
+        # Images that a rebuild untagged: gigabytes each under the vfs storage driver.
+        subprocess.run(["docker", "image", "prune", "--force"], capture_output=True, timeout=600)
+        lines = [f"docker compose: {label} {seconds:.0f} s" for label, seconds in run.timings.items()]
+        lines += [f"docker image {label}: {image_size_mb(image):.0f} MB" for label, image in IMAGES.items()]
+        # Straight to the terminal, past pytest's output capture, so CI's log shows the times under -q.
+        with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+            report.write_line("")
+            for line in lines:
+                report.write_line(line)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(4000)
+def test_trainer_in_its_container_trains_two_steps_reaching_the_services_by_name(group, tmp_path):
+    log = group.trainer_log
+    assert group.trainer_exit == 0, log[-6000:]
+    for name, port in PORTS.items():
+        assert f"healthy: {name} http://{name}:{port}" in log, log[-3000:]
+    assert "step:1 - " in log and "step:2 - " in log and "step:3 - " not in log, log[-3000:]
+    assert re.search(r"step:2 - .*critic/score/mean:", log)
+    # The checkpoint volume, read through the stopped trainer container (no new container to start).
+    latest = "/checkpoints/rl-jobgroup/grpo-gsm8k/latest_checkpointed_iteration.txt"
+    group.compose("cp", f"{TRAINER}:{latest}", str(tmp_path / "latest.txt"))
+    assert (tmp_path / "latest.txt").read_text().strip() == "2"
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(300)
+def test_each_service_container_is_healthy(group):
+    states = [json.loads(line) for line in group.compose("ps", "--format", "json").stdout.splitlines()]
+    health = {s["Service"]: s["Health"] for s in states}
+    assert {name: health.get(name) for name in PORTS} == dict.fromkeys(PORTS, "healthy"), states
+    for name in PORTS:
+        assert httpx.get(group.url(name) + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(300)
+def test_data_server_container_serves_gsm8k_from_the_local_folder(group):
+    body = httpx.post(
+        group.url("data-server") + "/v1/batches", json={"dataset": "gsm8k", "batch_size": 3}, timeout=30
+    ).json()
+    questions = {
+        json.loads(line)["question"] for line in (group.gsm8k / "train.jsonl").read_text().splitlines()
+    }
+    assert len(body["items"]) == 3
+    for item in body["items"]:
+        assert any(q in item["prompt"][-1]["content"] for q in questions), item["prompt"]
+        assert item["data_source"] == "openai/gsm8k"
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(300)
+def test_reward_server_container_scores_gsm8k(group):
+    items = [
+        {"data_source": "openai/gsm8k", "response": "6 * 12 = 72. #### 72", "ground_truth": "72"},
+        {"data_source": "openai/gsm8k", "response": "I think #### 70", "ground_truth": "72"},
+    ]
+    body = httpx.post(group.url("reward-server") + "/v1/rewards", json={"items": items}, timeout=30).json()
+    assert [r["score"] for r in body["results"]] == [1.0, 0.0]
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(300)
+def test_retrieval_server_container_finds_a_passage_of_its_corpus(group):
+    passages = [json.loads(line) for line in group.corpus.read_text().splitlines()]
+    target = passages[len(passages) // 2]
+    query = " ".join(target["contents"].split()[:25])
+    body = httpx.post(
+        group.url("retrieval-server") + "/retrieve",
+        json={"queries": [query], "topk": 3, "return_scores": True},
+        timeout=60,
+    ).json()
+    hits = body["result"][0]
+    assert len(hits) == 3 and hits[0]["document"]["id"] == target["id"], hits
+    assert hits[0]["score"] >= hits[1]["score"]
+
+
+def test_readme_shows_the_commands_this_test_runs():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Docker compose") :]
+    assert f"docker compose -p rljg-test {' '.join(COMPOSE_FILES)}" in section
+    for command in (
+        f"build {' '.join(BUILT)}",
+        "up --detach --no-build",
+        f"wait {TRAINER}",
+        "down --volumes",
+    ):
+        assert f"$compose {command}" in section, command

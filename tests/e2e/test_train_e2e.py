@@ -21,13 +21,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from services.data_server.export import write_verl_parquet
 from services.data_server.sources import gsm8k_row
 from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
 from tests.trainer.test_config import GRPO_QWEN3, PPO_QUICKSTART, argv_of, small
-from trainer.checkpoint import load_train_state
+from trainer.checkpoint import load_role_weights, load_train_state
 from testing.tiny import make_tiny_model
 
 # Every answer is 7: a policy that ends its response with the digit 7 scores 1 (gsm8k, flexible).
@@ -186,8 +185,8 @@ def test_resume_gives_identical_parameters(tiny_model, seven_data, tmp_path):
     assert not (split / "ckpt" / "global_step_4").exists()
     resumed = train(common_args(tiny_model, split, 4) + files)
     assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
-    a = load_file(straight / "ckpt/global_step_4/actor/model.safetensors")
-    b = load_file(split / "ckpt/global_step_4/actor/model.safetensors")
+    a = load_role_weights(straight / "ckpt/global_step_4/actor")
+    b = load_role_weights(split / "ckpt/global_step_4/actor")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
     # the data cursor and the tracker's run id travelled with the checkpoint

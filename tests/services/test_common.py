@@ -74,12 +74,30 @@ def test_bearer_auth_guards_everything_but_health():
     with TestClient(make_app(token="s3cret")) as client:
         wait_ready(client)
         assert client.get("/health").status_code == 200
-        assert client.post("/echo", json={"n": 1}).status_code == 401
+        refused = client.post("/echo", json={"n": 1})
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer")
         assert client.get("/metrics").status_code == 401
         wrong = client.post("/echo", json={"n": 1}, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
         ok = client.post("/echo", json={"n": 1}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+
+
+def test_openapi_documents_what_the_service_answers():
+    with TestClient(make_app(token="s3cret")) as client:
+        schema = client.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    assert "HTTPValidationError" not in components and "ErrorResponse" in components
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    echo = schema["paths"]["/echo"]["post"]["responses"]
+    assert set(echo) == {"200", "400", "401", "413", "422", "503"}
+    assert all(
+        echo[code]["content"]["application/json"]["schema"] == error_ref for code in echo if code != "200"
+    )
+    assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    health = schema["paths"]["/health"]["get"]
+    assert set(health["responses"]) == {"200", "503"} and health["security"] == []
+    assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
 
 
 def test_body_limit_with_and_without_content_length():

@@ -120,13 +120,26 @@ def test_items_carry_verl_fields(servers):
         ({"dataset": "gsm8k", "batch_size": 0}, 422, "batch_size"),
         ({"dataset": "gsm8k", "batch_size": -5}, 422, "batch_size"),
         ({"dataset": "gsm8k", "batch_size": 5000}, 422, "batch_size: must be at most 4096"),
-        ({"dataset": "gsm8k", "batch_size": 31}, 422, "batch_size"),  # larger than the 30-item split
+        ({"dataset": "gsm8k", "batch_size": 31}, 409, "batch_size: 31 is larger than split 'train'"),
         ({"dataset": "nope", "batch_size": 2}, 404, "available: ['gsm8k', 'synthetic-arith']"),
         ({"dataset": "gsm8k", "split": "dev", "batch_size": 2}, 404, "available: ['test', 'train']"),
         ({"dataset": "gsm8k", "batch_size": 2, "cursor": "garbage"}, 422, "cursor"),
         ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.99.abc"}, 422, "cursor"),
-        ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.999999.00000000"}, 422, "cursor"),
+        ({"dataset": "gsm8k", "batch_size": 2, "cursor": "0.999999.00000000"}, 409, "cursor"),
         ({"dataset": "gsm8k", "batch_size": "many"}, 422, "batch_size"),
+        ({"dataset": "gsm8k", "batch_size": True}, 422, "batch_size: Input should be a valid integer"),
+        ({"dataset": "gsm8k", "batch_size": "3"}, 422, "batch_size: Input should be a valid integer"),
+        # issue 10: an epoch that int() refuses, or 4,301 digits (past int()'s limit), was a 500
+        (
+            {"dataset": "gsm8k", "batch_size": 2, "cursor": "\u00b2.0.ce61368b"},
+            422,
+            "cursor: String should match pattern",
+        ),
+        (
+            {"dataset": "gsm8k", "batch_size": 2, "cursor": "9" * 4301 + ".0.ce61368b"},
+            422,
+            "cursor: String should match pattern",
+        ),
         ({"dataset": "gsm8k"}, 422, "batch_size: Field required"),
     ],
 )
@@ -137,11 +150,18 @@ def test_bad_input_is_a_clear_4xx(servers, body, status, needle):
     assert needle in response.json()["error"]
 
 
+def test_a_huge_unknown_name_is_not_echoed_back(servers):
+    url, _ = servers
+    response = post_batch(url, dataset="n" * (15 * 1024 * 1024), batch_size=2)
+    assert response.status_code == 404
+    assert len(response.content) < 500 and "(15728640 characters); available:" in response.json()["error"]
+
+
 def test_cursor_from_another_split_is_refused(servers):
     url, _ = servers
     cursor = post_batch(url, dataset="gsm8k", split="train", batch_size=2).json()["next_cursor"]
     response = post_batch(url, dataset="gsm8k", split="test", batch_size=2, cursor=cursor)
-    assert response.status_code == 422 and "another dataset" in response.json()["error"]
+    assert response.status_code == 409 and "another dataset" in response.json()["error"]
 
 
 def test_datasets_seed_routes_and_metrics(servers):
@@ -159,7 +179,10 @@ def test_datasets_seed_routes_and_metrics(servers):
         seed["prompts"][0]["ground_truth"] == "1000" and seed["prompts"][0]["question_id"] == "gsm8k/train/0"
     )
     stats = httpx.get(url + "/stats").json()
-    assert stats["dataset"] == "gsm8k" and stats["total_prompts"] == 40
+    default = httpx.get(url + "/prompts", params={"batch_size": 1}).json()
+    # /stats counts what /prompts serves by default (the first dataset's train split), as the seed did
+    assert stats["dataset"] == "gsm8k" and stats["total_prompts"] == default["total_available"] == 30
+    assert stats["datasets"]["gsm8k"] == {"train": 30, "test": 10}
     assert httpx.get(url + "/prompts", params={"batch_size": 0}).status_code == 422
     assert 'route="/v1/batches"' in httpx.get(url + "/metrics").text
 

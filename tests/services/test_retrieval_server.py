@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 import sys
 import time
 
@@ -515,3 +516,50 @@ def test_serve_and_build_errors_are_one_line(indexes, tmp_path):
         f"error: {bad} line 2: needs a string 'contents', or 'title' and 'text' (has ['body', 'id'])"
     )
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_lone_surrogate_fails_alone_and_the_batch_is_served(urls):
+    """Issue 10: the tokenizer raised on "\\ud800" and every request sharing its micro-batch got a 500."""
+    url = urls["flat"]
+    bad_body = b'{"queries": ["\\ud800"], "topk": 3}'  # valid JSON escapes, not valid Unicode text
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            good = [client.post(url + "/retrieve", json={"queries": [q], "topk": 1}) for q in QUESTIONS[:30]]
+            bad = client.post(
+                url + "/retrieve", content=bad_body, headers={"content-type": "application/json"}
+            )
+            return await asyncio.gather(bad, *good)
+
+    bad, *good = asyncio.run(burst())
+    assert bad.status_code == 422 and "invalid JSON" in bad.json()["error"]
+    assert [r.status_code for r in good] == [200] * 30
+    assert sum(r.json()["result"][0][0]["id"] == f"p{i}" for i, r in enumerate(good)) >= 24
+
+
+def test_a_large_request_does_not_hold_back_a_small_one(urls):
+    """Issue 10: 1,000 queries of 4,000 characters held another client's one query for 58 s. Now the
+    large request is served a slice per micro-batch, and the small one rides in the next batch."""
+    url = urls["flat"]
+    big = {"queries": [f"{QUESTIONS[i]} " + "filler " * 570 for i in range(64)], "topk": 3}  # 4,000 chars
+    count_before = batch_totals(url)[0]
+    outcome: dict = {}
+
+    def send_big():
+        outcome["big"] = httpx.post(url + "/retrieve", json=big, timeout=600)
+        outcome["big_done"] = time.monotonic()
+
+    thread = threading.Thread(target=send_big)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while batch_totals(url)[0] == count_before:  # wait until the big request is being served
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    small = retrieve(url, queries=[QUESTIONS[5]], topk=1)
+    small_done = time.monotonic()
+    assert thread.is_alive(), "the large request finished before the small one was even sent"
+    thread.join()
+    assert small.status_code == 200 and small.json()["result"][0][0]["id"] == "p5"
+    assert small_done < outcome["big_done"]
+    assert outcome["big"].status_code == 200 and len(outcome["big"].json()["result"]) == 64
+    assert httpx.get(url + "/health").json()["status"] == "ok"

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from services.retrieval_server.batcher import MicroBatcher
+from services.retrieval_server.batcher import FairBatcher, Slice, plan_batch
 from services.retrieval_server.core import hits_json
 from services.retrieval_server.embedder import default_prefixes, default_threads, resolve_model_path
 from services.retrieval_server.index import HnswParams, build_faiss_index, ivfpq_params
@@ -148,46 +148,121 @@ def test_embedder_defaults():
     assert default_threads(2) == 1 and default_threads(1) == 1 and default_threads(16) == 15
 
 
-def test_micro_batcher_groups_concurrent_jobs_and_routes_results():
-    calls: list[list[str]] = []
+def upper_all(slices: list[Slice]) -> list[list[str]]:
+    return [[q.upper() for q in piece.queries] for piece in slices]
+
+
+def test_plan_batch_round_robin_within_count_and_cost():
+    # three requests: 4 cheap queries, 1 cheap, 3 costly (cost 10)
+    pending = [([1, 1, 1, 1], 0), ([1], 0), ([10, 10, 10], 0)]
+    # round 1 takes one of each (cost 1 + 1 + 10 = 12); then only the first request's cheap queries fit
+    # (13, 14, 15); the third's next query would make 22
+    assert plan_batch(pending, max_queries=100, max_cost=15) == [4, 1, 1]
+    assert plan_batch(pending, max_queries=4, max_cost=100) == [2, 1, 1]  # the count limit ends round 2
+    assert plan_batch([([50], 0), ([1], 0)], max_queries=8, max_cost=10) == [1, 0]  # the first always fits
+    assert plan_batch([([1, 1, 1], 2), ([1], 1)], max_queries=8, max_cost=10) == [1, 0]  # already scheduled
+
+
+def test_fair_batcher_groups_concurrent_requests_and_routes_results():
+    calls: list[list[tuple]] = []
     threads: set[str] = set()
 
-    def process(jobs: list[str]) -> list[str]:
-        calls.append(list(jobs))
+    def process(slices: list[Slice]) -> list[list[str]]:
+        calls.append([tuple(piece.queries) for piece in slices])
         threads.add(threading.current_thread().name)
         time.sleep(0.02)  # the worker is busy; newcomers queue up meanwhile
-        return [job.upper() for job in jobs]
+        return upper_all(slices)
 
     async def run():
-        batcher = MicroBatcher(process, size_of=len, max_batch=12, max_wait_s=0.01)
-        first = await asyncio.gather(
-            *(batcher.submit(w) for w in ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"])
-        )
-        big = await asyncio.gather(batcher.submit("x" * 30), batcher.submit("y"))
+        batcher = FairBatcher(process, max_queries=12, max_cost=1000, max_wait_s=0.01)
+        words = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
+        first = await asyncio.gather(*(batcher.submit([w, w + "!"], [1, 1], None) for w in words))
         batcher.close()
-        return first, big
+        return first
 
-    first, big = asyncio.run(run())
-    assert first == ["AB", "CD", "EF", "GH", "IJ", "KL", "MN", "OP"]  # each caller gets its own answer
-    # 8 jobs of size 2 with max_batch 12: two calls of 6 + 2 jobs, never one per job
-    assert [len(c) for c in calls[:2]] == [6, 2]
-    assert big == ["X" * 30, "Y"] and ["x" * 30] in calls  # an oversized job still runs, alone
+    first = asyncio.run(run())
+    assert first == [[w.upper(), w.upper() + "!"] for w in ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]]
+    # 8 requests of 2 queries, 12 queries a batch: 12 + 4, never one call per request
+    assert [sum(len(q) for q in call) for call in calls[:2]] == [12, 4]
     assert threads and not any(name.startswith("MainThread") for name in threads)  # off the event loop
 
 
-def test_micro_batcher_failure_reaches_every_caller_and_the_loop_survives():
-    def process(jobs):
-        if "boom" in jobs:
-            raise RuntimeError("index exploded")
-        return jobs
+def test_fair_batcher_interleaves_a_large_request_with_small_ones():
+    calls: list[list[tuple]] = []
+
+    def process(slices: list[Slice]) -> list[list[str]]:
+        calls.append([tuple(piece.queries) for piece in slices])
+        time.sleep(0.01)
+        return upper_all(slices)
 
     async def run():
-        batcher = MicroBatcher(process, size_of=lambda job: 1, max_batch=8, max_wait_s=0.01)
-        failed = await asyncio.gather(batcher.submit("a"), batcher.submit("boom"), return_exceptions=True)
-        after = await batcher.submit("fine")
+        batcher = FairBatcher(process, max_queries=64, max_cost=40, max_wait_s=0.0)
+        big = asyncio.ensure_future(batcher.submit([f"q{i}" for i in range(100)], [10] * 100, "big"))
+        await asyncio.sleep(0.005)  # the big request is being served
+        small = await batcher.submit(["small"], [1], "small")
+        finished_before_big = not big.done()
+        results = await big
         batcher.close()
-        return failed, after
+        return small, finished_before_big, results
 
-    failed, after = asyncio.run(run())
-    assert all(isinstance(f, RuntimeError) and "index exploded" in str(f) for f in failed)
-    assert after == "fine"
+    small, finished_before_big, results = asyncio.run(run())
+    assert small == ["SMALL"] and finished_before_big
+    assert results == [f"Q{i}" for i in range(100)]  # every slice landed in its place
+    # each batch holds at most 40 of estimated cost: 4 big queries, or the small one and 3 big ones
+    assert all(len(call) <= 2 and sum(len(q) for q in call) <= 4 for call in calls)
+    first_with_small = next(i for i, call in enumerate(calls) if ("small",) in call)
+    assert first_with_small <= 2  # served by the next batch or the one after, not after all 25
+
+
+def test_fair_batcher_a_failing_request_fails_alone_and_the_loop_survives():
+    def process(slices: list[Slice]) -> list[list[str]]:
+        if any("boom" in piece.queries for piece in slices):
+            raise RuntimeError("index exploded")
+        return upper_all(slices)
+
+    async def run():
+        batcher = FairBatcher(process, max_queries=8, max_cost=100, max_wait_s=0.01)
+        outcomes = await asyncio.gather(
+            batcher.submit(["a"], [1], None),
+            batcher.submit(["boom"], [1], None),
+            batcher.submit(["b", "c"], [1, 1], None),
+            return_exceptions=True,
+        )
+        after = await batcher.submit(["fine"], [1], None)
+        batcher.close()
+        return outcomes, after
+
+    (first, failed, third), after = asyncio.run(run())
+    assert first == ["A"] and third == ["B", "C"]  # the requests that shared its batch are answered
+    assert isinstance(failed, RuntimeError) and "index exploded" in str(failed)
+    assert after == ["FINE"]
+
+
+def test_fair_batcher_reports_saturation_and_drops_abandoned_work():
+    release = threading.Event()
+    seen: list[str] = []
+
+    def process(slices: list[Slice]) -> list[list[str]]:
+        seen.extend(q for piece in slices for q in piece.queries)
+        release.wait(10)
+        return upper_all(slices)
+
+    async def run():
+        batcher = FairBatcher(process, max_queries=2, max_cost=100, max_wait_s=0.0, saturated_after_s=0.05)
+        running = asyncio.ensure_future(batcher.submit(["r1", "r2"], [1, 1], None))
+        await asyncio.sleep(0.02)  # the first batch is on the worker, blocked
+        abandoned = asyncio.ensure_future(batcher.submit(["x1", "x2", "x3"], [1, 1, 1], None))
+        waiting = asyncio.ensure_future(batcher.submit(["w"], [1], None))
+        await asyncio.sleep(0.1)  # longer than saturated_after_s: both newcomers still wait
+        busy = batcher.saturation()
+        abandoned.cancel()  # its client went away before any of its queries ran
+        release.set()
+        answers = await asyncio.gather(running, waiting)
+        idle = batcher.saturation()
+        batcher.close()
+        return busy, answers, idle
+
+    busy, answers, idle = asyncio.run(run())
+    assert busy is not None and "for its first micro-batch (4 queries queued)" in busy
+    assert answers == [["R1", "R2"], ["W"]] and idle is None
+    assert not any(q.startswith("x") for q in seen)  # the abandoned request's queries never ran

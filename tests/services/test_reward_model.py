@@ -184,7 +184,7 @@ def test_model_and_rule_items_share_a_batch(server):
 
 
 def test_local_scorer_matches_the_server_and_pair_encoding_batches_too(server, model_dir, tmp_path):
-    from services.reward_server.core import LocalScorer
+    from services.scoring import LocalScorer
     from services.reward_server.schemas import RewardItem
 
     expected = [r["score"] for r in post(server, model_items(PAIRS))]
@@ -227,7 +227,7 @@ def test_missing_model_path_fails_the_start_with_one_line(tmp_path):
 @pytest.mark.gpu
 def test_gpu_scores_match_cpu_and_batching_holds_in_bfloat16(model_dir):
     # Imports only the model scorer (torch + transformers), so this runs on a bare GPU machine.
-    from services.reward_server.scorers.model import RewardModel
+    from services.scoring.model import RewardModel
 
     prompts, responses = [p for p, _ in PAIRS], [r for _, r in PAIRS]
     cpu = RewardModel(str(model_dir), device="cpu", batch_size=4).score(prompts, responses)

@@ -270,6 +270,9 @@ SHAPING = [
     Case(
         "#### 72", "72", 0.0, "72", {**OVERLONG, "overlong_buffer_len": 0}, {"response_length": 101}
     ),  # ...and the full penalty beyond it
+    Case(
+        "#### 72", "72", 0.5, "72", {**OVERLONG, "overlong_buffer_len": 200}, {"response_length": 0}
+    ),  # a buffer longer than max_len keeps its slope: 1 - (0 - (100 - 200)) / 200
 ]
 
 TABLES = {

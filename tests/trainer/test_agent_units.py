@@ -258,7 +258,7 @@ def test_config_turns_multi_turn_on_with_the_built_in_engine():
     assert cfg.actor_rollout_ref.rollout.engine == "builtin"  # the async, continuously batching engine
     notices = "\n".join(cfg.notices())
     assert "rate_limit" in notices and "use_inference_chat_template" in notices
-    assert "multi-turn tool calls run on the built-in engine" in notices  # rollout.name=hf was asked for
+    assert "multi-turn tool calls run on the builtin engine" in notices  # rollout.name=hf was asked for
     single = load_config([])
     assert (
         single.actor_rollout_ref.rollout.engine == "hf"
@@ -276,6 +276,10 @@ def test_config_refuses_what_the_agent_loop_cannot_run(tmp_path):
         load_config([on, "actor_rollout_ref.rollout.multi_turn.format=react"])
     with pytest.raises(ConfigError, match="max_assistant_turns"):
         load_config([on, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"])
+    with pytest.raises(ConfigError, match="one-process runs"):
+        load_config([on, "trainer.use_ray=true"])
+    sglang = load_config([on, "actor_rollout_ref.rollout.name=sglang"])  # its servers have the async path too
+    assert sglang.actor_rollout_ref.rollout.engine == "sglang"
 
 
 def test_response_length_metrics_count_the_model_tokens_and_clip_on_the_whole_response():

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from trainer.checkpoint import (
     LATEST_FILE,
     CheckpointError,
+    LocalRole,
     TrainState,
     find_resume_checkpoint,
     load_checkpoint,
@@ -81,9 +81,7 @@ def save(root, step, model, optimizer, scheduler, keep_last=None, **state_fields
     return save_checkpoint(
         root,
         step,
-        models={"actor": model},
-        optimizers={"actor": optimizer},
-        schedulers={"actor": scheduler},
+        roles={"actor": LocalRole(model, optimizer, scheduler)},
         state=TrainState(step=step, **state_fields),
         keep_last=keep_last,
     )
@@ -111,12 +109,7 @@ def test_round_trip_restores_weights_moments_scheduler_and_rng(tmp_path):
 
     restored, restored_opt, restored_sched = make_trainables(seed=123)  # different init, no optimizer state
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    state = load_checkpoint(
-        path,
-        models={"actor": restored},
-        optimizers={"actor": restored_opt},
-        schedulers={"actor": restored_sched},
-    )
+    state = load_checkpoint(path, roles={"actor": LocalRole(restored, restored_opt, restored_sched)})
 
     assert state == TrainState(
         step=3, data_cursor="0.24.abc", tracker_run_id="run42", extra={"kl_coef": 0.001}
@@ -134,22 +127,26 @@ def test_round_trip_restores_weights_moments_scheduler_and_rng(tmp_path):
 
 
 def test_layout_follows_verl_and_tied_weights_are_stored_once(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
     model, optimizer, scheduler = make_trainables(seed=0)
     path = save(tmp_path, 7, model, optimizer, scheduler, tracker_run_id="abc")
     assert path == tmp_path / "global_step_7"
     assert (tmp_path / LATEST_FILE).read_text().strip() == "7"
     assert sorted(p.name for p in path.iterdir()) == ["actor", "rng_state.pt", "trainer_state.json"]
+    # torch.distributed.checkpoint: one data file per writing rank (one here) and the metadata
     assert sorted(p.name for p in (path / "actor").iterdir()) == [
-        "model.safetensors",
-        "optimizer.pt",
+        ".metadata",
+        "__0_0.distcp",
         "scheduler.pt",
+        "tied.json",
     ]
     record = json.loads((path / "trainer_state.json").read_text())
     assert record["step"] == 7 and record["tracker_run_id"] == "abc" and record["roles"] == ["actor"]
-    with safe_open(str(path / "actor" / "model.safetensors"), framework="pt") as handle:
-        keys = set(handle.keys())
-        assert json.loads(handle.metadata()["aliases"]) == {"head.weight": "embed.weight"}
-    assert "head.weight" not in keys and "embed.weight" in keys and "running_scale" in keys
+    assert json.loads((path / "actor" / "tied.json").read_text()) == {"head.weight": "embed.weight"}
+    keys = set(FileSystemReader(str(path / "actor")).read_metadata().state_dict_metadata)
+    assert "model.head.weight" not in keys and {"model.embed.weight", "model.running_scale"} <= keys
+    assert any(key.startswith("optimizer.state.") for key in keys)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp leftovers
     assert load_train_state(path).tracker_run_id == "abc"
 
@@ -165,9 +162,7 @@ def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
         save_checkpoint(
             tmp_path,
             2,
-            models={"actor": model, "critic": Exploding()},
-            optimizers={"actor": optimizer},
-            schedulers={},
+            roles={"actor": LocalRole(model, optimizer), "critic": LocalRole(Exploding())},
             state=TrainState(step=2),
             keep_last=None,
         )
@@ -177,9 +172,7 @@ def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
     found = find_resume_checkpoint(tmp_path, "auto", None)
     assert found == tmp_path / "global_step_1"
     fresh, fresh_opt, fresh_sched = make_trainables(seed=9)
-    load_checkpoint(
-        found, models={"actor": fresh}, optimizers={"actor": fresh_opt}, schedulers={"actor": fresh_sched}
-    )
+    load_checkpoint(found, roles={"actor": LocalRole(fresh, fresh_opt, fresh_sched)})
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, saved[name]), name
 
@@ -187,7 +180,7 @@ def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
 CRASHING_SAVE = textwrap.dedent("""
     import os, sys, torch
     from torch import nn
-    from trainer.checkpoint import TrainState, save_checkpoint
+    from trainer.checkpoint import LocalRole, TrainState, save_checkpoint
 
     class DiesMidSave(nn.Module):
         def state_dict(self, *args, **kwargs):
@@ -196,13 +189,12 @@ CRASHING_SAVE = textwrap.dedent("""
     root = sys.argv[1]
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    save_checkpoint(root, 1, models={"actor": model}, optimizers={}, schedulers={},
+    save_checkpoint(root, 1, roles={"actor": LocalRole(model)},
                     state=TrainState(step=1, data_cursor="c1"), keep_last=2)
     with torch.no_grad():
         model.weight.add_(1.0)
-    models = {"actor": model, "zz_critic": DiesMidSave()}
-    save_checkpoint(root, 2, models=models, optimizers={}, schedulers={},
-                    state=TrainState(step=2, data_cursor="c2"), keep_last=2)
+    roles = {"actor": LocalRole(model), "zz_critic": LocalRole(DiesMidSave())}
+    save_checkpoint(root, 2, roles=roles, state=TrainState(step=2, data_cursor="c2"), keep_last=2)
 """)
 
 
@@ -218,24 +210,16 @@ def test_hard_crash_mid_save_is_never_picked_up(tmp_path):
     )
     assert result.returncode == 17, result.stderr
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-global_step_2")]
-    assert len(leftovers) == 1 and (leftovers[0] / "actor" / "model.safetensors").is_file()  # really mid-save
+    assert len(leftovers) == 1 and (leftovers[0] / "actor" / ".metadata").is_file()  # really mid-save
     assert (tmp_path / LATEST_FILE).read_text().strip() == "1"
     found = find_resume_checkpoint(tmp_path, "auto", None)
     assert found == tmp_path / "global_step_1"
     model = nn.Linear(4, 3)
-    state = load_checkpoint(found, models={"actor": model}, optimizers={}, schedulers={})
+    state = load_checkpoint(found, roles={"actor": LocalRole(model)})
     torch.manual_seed(0)
     assert state.data_cursor == "c1" and torch.equal(model.weight, nn.Linear(4, 3).weight)
     # the next save of step 2 succeeds and sweeps the crashed attempt away
-    save_checkpoint(
-        tmp_path,
-        2,
-        models={"actor": model},
-        optimizers={},
-        schedulers={},
-        state=TrainState(step=2),
-        keep_last=2,
-    )
+    save_checkpoint(tmp_path, 2, roles={"actor": LocalRole(model)}, state=TrainState(step=2), keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_2", LATEST_FILE]
 
 
@@ -301,18 +285,9 @@ def test_role_mismatches_are_named(tmp_path):
     model, optimizer, scheduler = make_trainables(seed=0)
     path = save(tmp_path, 1, model, optimizer, scheduler)
     with pytest.raises(CheckpointError, match="'critic'"):
-        load_checkpoint(path, models={"critic": TiedLM()}, optimizers={}, schedulers={})
-    with pytest.raises(ValueError, match=r"\['critic'\] have no model"):
-        save_checkpoint(
-            tmp_path,
-            2,
-            models={"actor": model},
-            optimizers={"critic": optimizer},
-            schedulers={},
-            state=TrainState(step=2),
-            keep_last=None,
-        )
-    assert not (tmp_path / "global_step_2").exists()
+        load_checkpoint(path, roles={"critic": LocalRole(TiedLM())})
+    with pytest.raises(CheckpointError, match="does not match the model"):
+        load_checkpoint(path, roles={"actor": LocalRole(nn.Linear(8, 11))})
 
 
 @pytest.mark.gpu
@@ -328,12 +303,7 @@ def test_cuda_model_optimizer_and_cuda_rng_round_trip(tmp_path):
 
     restored, restored_opt, restored_sched = make_trainables(seed=1, device="cuda")
     torch.cuda.manual_seed_all(77)
-    load_checkpoint(
-        path,
-        models={"actor": restored},
-        optimizers={"actor": restored_opt},
-        schedulers={"actor": restored_sched},
-    )
+    load_checkpoint(path, roles={"actor": LocalRole(restored, restored_opt, restored_sched)})
     assert torch.rand(5, device=device).tolist() == expected_cuda_draw
     assert restored.head.weight is restored.embed.weight
     assert next(iter(restored_opt.state.values()))["exp_avg"].device.type == "cuda"

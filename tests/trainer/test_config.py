@@ -208,13 +208,9 @@ def test_seed_commands_parse_as_written(home, command):
     assert config.data.train_files == [str(home / "data/gsm8k/train.parquet")]
     assert config.data.source == "files"
     assert config.actor_rollout_ref.rollout.name == "vllm" and config.actor_rollout_ref.rollout.engine == "hf"
-    if command is PPO_QUICKSTART:
-        assert config.problems() == []
-    else:  # 8 GPUs: the one thing refused is the world size this one-process trainer cannot use
-        assert config.problems() == [
-            "trainer.nnodes * trainer.n_gpus_per_node = 8 GPUs: multi-GPU training is not built yet; this "
-            "trainer runs one process on one GPU (or the CPU). Set trainer.nnodes=1 trainer.n_gpus_per_node=1"
-        ]
+    assert config.problems() == []
+    # 8 GPUs train through Ray role groups; one GPU stays one process
+    assert config.uses_ray == (command is GRPO_QWEN3)
 
 
 def test_qwen3_quickstart_is_accepted_as_written(home, monkeypatch):
@@ -266,19 +262,18 @@ def test_grpo_qwen3_small(home):
     assert config.trainer.default_local_dir == "checkpoints/verl_grpo_example_gsm8k/qwen3_8b_function_rm"
     assert config.world_size == 1
     # verl keys that change nothing here: accepted, not typed, named once at start
-    assert config.no_effect_keys == [
-        "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
-        "actor_rollout_ref.actor.fsdp_config.param_offload",
-        "actor_rollout_ref.model.use_remove_padding",
-        "actor_rollout_ref.ref.fsdp_config.param_offload",
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
-    ]
+    assert config.no_effect_keys == ["actor_rollout_ref.rollout.gpu_memory_utilization"]
+    assert arr.model.use_remove_padding and arr.ref.fsdp_config.param_offload
+    assert not arr.actor.fsdp_config.param_offload and config.critic.model.use_remove_padding  # the policy's
+    # the offload is typed but acts only on sharded (Ray) runs: this one-GPU run says so at start
     assert config.notices() == [
         "rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet; the built-in engine (hf: "
         "transformers generate) generates instead",
-        "accepted, no effect here: " + ", ".join(config.no_effect_keys),
+        "fsdp: actor_rollout_ref.ref.fsdp_config.param_offload act in Ray runs only (more than one GPU, or "
+        "trainer.use_ray=true); this run is one process",
+        "accepted, no effect here: actor_rollout_ref.rollout.gpu_memory_utilization",
     ]
-    assert "param_offload" not in config.resolved_yaml()
+    assert "param_offload: true" in config.resolved_yaml()
 
 
 def test_main_ppo_dry_run_prints_resolved_config(home):
@@ -299,10 +294,12 @@ def test_main_ppo_dry_run_prints_resolved_config(home):
     assert "ppo_micro_batch_size_per_gpu: 8" in done.stdout
     lines = done.stdout.splitlines()
     assert [line for line in lines if line.startswith("accepted, no effect here: ")] == [
-        "accepted, no effect here: actor_rollout_ref.actor.fsdp_config.optimizer_offload, "
-        "actor_rollout_ref.actor.fsdp_config.param_offload, actor_rollout_ref.model.use_remove_padding, "
-        "actor_rollout_ref.ref.fsdp_config.param_offload, actor_rollout_ref.rollout.gpu_memory_utilization"
+        "accepted, no effect here: actor_rollout_ref.rollout.gpu_memory_utilization"
     ]
+    assert (
+        sum(line.startswith("fsdp: actor_rollout_ref.ref.fsdp_config.param_offload act in") for line in lines)
+        == 1
+    )
     assert sum("not wired in yet" in line for line in lines) == 1
 
 
@@ -330,7 +327,7 @@ def test_main_ppo_dry_run_prints_resolved_config(home):
         (["data.train_files=a.parquet,b.parquet"], "is a Hydra sweep, not a value: write"),
         (["~trainer.loger"], "unknown key 'trainer.loger'; did you mean 'trainer.logger'?"),
         (["trainer.seed=3", "~trainer.seed=4"], "~trainer.seed=4: its value is 3, not that"),
-        (["trainer.nnodes=2"], "2 GPUs: multi-GPU training is not built yet"),
+        (["trainer.role_pools=apart"], "trainer.role_pools: Input should be 'colocated' or 'separate'"),
         (["trainer.logger={a: 1}"], "trainer.logger: Input should be a valid list"),  # a map for a list
         (["trainer.logger=[x]", "trainer.logger={a: 1}"], "trainer.logger: Input should be a valid list"),
         (["trainer.experiment_name=${oc.env:RL_JOBGROUP_TEST_UNSET}"], "RL_JOBGROUP_TEST_UNSET"),
@@ -466,7 +463,7 @@ def test_derived_values_follow_verl():
         ],
         check=False,
     )
-    assert [p for p in config.problems() if "multi-GPU training is not built yet" not in p] == []
+    assert config.problems() == []
     actor = config.actor_rollout_ref.actor
     assert actor.ppo_micro_batch_size_per_gpu == 2 and actor.ppo_micro_batch_size is None  # 4 global / 2 GPUs
     assert actor.clip_ratio_low == 0.25 and actor.clip_ratio_high == 0.28  # DAPO clip-higher
@@ -598,7 +595,7 @@ def test_yaml_through_omegaconf_then_overrides(tmp_path, monkeypatch):
         "actor_rollout_ref:\n"
         "  actor:\n"
         "    optim: {lr: '${oc.env:RL_JOBGROUP_TEST_LR,1e-6}'}\n"
-        "    fsdp_config: {param_offload: true}\n"  # a verl key with no effect: accepted, reported
+        "    fsdp_config: {wrap_policy: {min_num_params: 0}}\n"  # a no-effect verl key: accepted, reported
         "  rollout: {n: 4, stop: [x]}\n"
         "trainer: {experiment_name: base, logger: [console, jsonl], seed: 5}\n"
     )
@@ -611,7 +608,7 @@ def test_yaml_through_omegaconf_then_overrides(tmp_path, monkeypatch):
     assert config.actor_rollout_ref.rollout.stop == ["x"]  # the later file merged in, not replaced
     assert config.trainer.experiment_name == "extra" and config.trainer.logger == ["console", "jsonl"]
     assert config.trainer.seed == 1  # ~ dropped the file's value
-    assert config.no_effect_keys == ["actor_rollout_ref.actor.fsdp_config.param_offload"]
+    assert config.no_effect_keys == ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"]
 
 
 def test_services_urls_come_from_env(monkeypatch):
@@ -698,8 +695,10 @@ def test_reference_markdown_covers_every_key():
     assert "| `actor_rollout_ref.rollout.prompt_length` | int or null | null |" in markdown
     assert "`$DATA_SERVER_URL`, else `http://127.0.0.1:8000`" in markdown
     assert "`$REWARD_SERVER_URL`, else `none`" in markdown
-    assert "fsdp_config" not in markdown.split("## verl keys accepted with no effect")[0]  # no-effect keys
-    assert "`actor_rollout_ref.actor.fsdp_config`" in markdown  # ... are named once, after the tables
+    tables = markdown.split("## verl keys accepted with no effect")[0]
+    assert "ulysses_sequence_parallel_size" not in tables and "fsdp_config.wrap_policy" not in tables
+    assert "`actor_rollout_ref.actor.fsdp_config.wrap_policy`" in markdown  # no-effect keys: named once,
+    assert "`actor_rollout_ref.actor.ulysses_sequence_parallel_size`" in markdown  # after the tables
     done = subprocess.run(
         [sys.executable, "-m", "trainer.config", "--markdown"],
         cwd=ROOT,

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from tests.helpers import ROOT
 from trainer import export, report
-from trainer.checkpoint import CheckpointError, TrainState, save_checkpoint
+from trainer.checkpoint import CheckpointError, LocalRole, TrainState, save_checkpoint
 from testing.tiny import char_tokenizer, tiny_qwen2_config
 from trainer.tracking import Tracker
 
@@ -128,12 +128,9 @@ def test_export_cli_gives_an_hf_folder_with_identical_logits(tmp_path):
     save_checkpoint(
         root,
         4,
-        models={"actor": model},
-        optimizers={"actor": optimizer},
-        schedulers={},
+        roles={"actor": LocalRole(model, optimizer, tokenizer=tokenizer)},
         state=TrainState(step=4),
         keep_last=None,
-        tokenizer=tokenizer,
     )
     out = tmp_path / "hf"
     # the experiment root resolves to its latest checkpoint; a small shard size forces a sharded export
@@ -172,12 +169,9 @@ def test_export_untied_and_bf16(tmp_path):
     path = save_checkpoint(
         tmp_path / "ck",
         1,
-        models={"actor": model},
-        optimizers={},
-        schedulers={},
+        roles={"actor": LocalRole(model, tokenizer=tokenizer)},
         state=TrainState(step=1),
         keep_last=None,
-        tokenizer=tokenizer,
     )
     loaded = AutoModelForCausalLM.from_pretrained(export.export_hf(path, tmp_path / "fp32"))
     assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
@@ -196,9 +190,7 @@ def test_export_errors_name_the_problem(tmp_path, capsys):
     path = save_checkpoint(
         tmp_path / "ck",
         1,
-        models={"actor": bare, "critic": model},
-        optimizers={},
-        schedulers={},
+        roles={"actor": LocalRole(bare), "critic": LocalRole(model)},
         state=TrainState(step=1),
         keep_last=None,
     )

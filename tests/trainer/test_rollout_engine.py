@@ -267,11 +267,19 @@ def test_load_weights_changes_the_outputs(qwen):
     assert after != before
     assert after == [hf_greedy(other, p, 12) for p in prompts]
     with pytest.raises(ValueError, match="shape"):
-        engine.load_weights({"model.norm.weight": torch.zeros(3)}, strict=False)
+        engine.load_weights({"model.norm.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match="unknown weights"):
-        engine.load_weights({"model.nonsense.weight": torch.zeros(3)}, strict=False)
+        engine.load_weights({"model.nonsense.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match="missing"):
-        engine.load_weights({"model.norm.weight": torch.ones(64)})
+        engine.load_weights({"model.norm.weight": torch.ones(64)}, strict=True)
+    # a bucket (a subset of the weights, the tied names both present) updates just those weights
+    engine.load_weights(model.state_dict())
+    bucket = {
+        k: v for k, v in other.state_dict().items() if k in ("model.embed_tokens.weight", "lm_head.weight")
+    }
+    assert engine.load_weights(bucket) == 2
+    assert torch.equal(engine.model.embed, other.model.embed_tokens.weight)
+    assert torch.equal(engine.model.final_norm, model.model.norm.weight)
 
 
 def test_release_and_resume_memory(qwen):

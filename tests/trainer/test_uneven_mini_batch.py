@@ -14,12 +14,19 @@ import copy
 import pytest
 import torch
 
-from tests.trainer.test_workers import flat_params, loss_settings, make_batch, optim, with_training_fields
+from tests.trainer.test_workers import (
+    critic_of,
+    flat_params,
+    loss_settings,
+    make_batch,
+    policy_of,
+    with_training_fields,
+)
 from trainer.model import load_critic, load_policy
 from testing.tiny import make_tiny_model
 from trainer import algos
-from trainer.workers.actor import Policy, response_logprobs
-from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.actor import response_logprobs
+from trainer.workers.critic import ValueLossSettings
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +46,11 @@ def test_policy_smaller_last_mini_batch_trains_on_its_own_counts(tiny_dir, loss_
     batch = with_training_fields(make_batch(batch_size=6, seed=11), base)
     loss = loss_settings(loss_agg_mode=loss_agg_mode)
 
-    uneven = Policy(copy.deepcopy(base), optim(lr=1e-3))
-    metrics = uneven.update(batch, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, loss=loss)
+    uneven = policy_of(copy.deepcopy(base), mini=4, micro=2, loss=loss)
+    metrics = uneven.update(batch)
 
-    separate = Policy(copy.deepcopy(base), optim(lr=1e-3))
-    first = separate.update(
-        batch.select(range(4)), mini_batch_size=4, micro_batch_size=4, ppo_epochs=1, loss=loss
-    )
+    separate = policy_of(copy.deepcopy(base), mini=4, micro=4, loss=loss)
+    first = separate.update(batch.select(range(4)))
     tail = batch.select(range(4, 6))
     clip = {"clip_ratio_low": loss.clip_ratio_low, "clip_ratio_high": loss.clip_ratio_high}
     with torch.no_grad():  # the last mini-batch's loss by definition: its own tokens and sequences
@@ -54,7 +59,7 @@ def test_policy_smaller_last_mini_batch_trains_on_its_own_counts(tiny_dir, loss_
         own = algos.ppo_policy_loss(*inputs, **clip, loss_agg_mode=loss_agg_mode).loss.item()
         scaled = {"num_tokens": float(tail.response_mask.sum()) * 2, "num_seqs": 4}
         nominal = algos.ppo_policy_loss(*inputs, **clip, loss_agg_mode=loss_agg_mode, **scaled).loss.item()
-    last = separate.update(tail, mini_batch_size=2, micro_batch_size=1, ppo_epochs=1, loss=loss)
+    last = separate.update(tail)  # 2 sequences: one (smaller) mini-batch, as the uneven split's last
     assert last["actor/pg_loss"] == pytest.approx(own, rel=1e-5, abs=1e-7)
     assert nominal == pytest.approx(own / 2, rel=1e-5)  # the control: that bug would report half
 
@@ -69,16 +74,16 @@ def test_policy_smaller_last_mini_batch_trains_on_its_own_counts(tiny_dir, loss_
 def test_critic_smaller_last_mini_batch_trains_on_its_own_counts(tiny_dir):
     base = load_critic(str(tiny_dir))
     batch = make_batch(batch_size=6, seed=12)
-    values = Critic(copy.deepcopy(base), optim()).compute_values(batch, 6)
+    values = critic_of(copy.deepcopy(base), forward_micro=6).compute_values(batch)
     noise = torch.randn(values.shape, generator=torch.Generator().manual_seed(0))
     batch = batch.with_fields(values=values, returns=values + noise * batch.response_mask)
     loss = ValueLossSettings(cliprange_value=0.2, loss_agg_mode="token-mean")
 
-    uneven = Critic(copy.deepcopy(base), optim())
-    uneven.update(batch, mini_batch_size=4, micro_batch_size=3, ppo_epochs=1, loss=loss)
-    separate = Critic(copy.deepcopy(base), optim())
-    separate.update(batch.select(range(4)), mini_batch_size=4, micro_batch_size=4, ppo_epochs=1, loss=loss)
-    separate.update(batch.select(range(4, 6)), mini_batch_size=2, micro_batch_size=2, ppo_epochs=1, loss=loss)
+    uneven = critic_of(copy.deepcopy(base), mini=4, micro=3, loss=loss)
+    uneven.update(batch)
+    separate = critic_of(copy.deepcopy(base), mini=4, micro=4, loss=loss)
+    separate.update(batch.select(range(4)))
+    separate.update(batch.select(range(4, 6)))
 
     start = flat_params(base)
     assert relative_gap(flat_params(uneven.model), flat_params(separate.model), start) < 1e-4

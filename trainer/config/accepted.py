@@ -12,7 +12,14 @@ from __future__ import annotations
 
 _REF_AND_ACTOR = """
     ulysses_sequence_parallel_size entropy_from_logits_with_chunking entropy_checkpointing use_torch_compile
-    profiler router_replay rollout_n strategy fsdp_config
+    profiler router_replay rollout_n strategy
+"""
+# fsdp_config keys of verl's FSDP (1 and 2) that change nothing here: one unit per decoder layer, fp32
+# master weights and bf16 compute on GPU are fixed (trainer/fsdp.py)
+_FSDP = """
+    wrap_policy fsdp_size forward_prefetch model_dtype use_orig_params grad_offload mixed_precision dtype
+    strategy seed full_determinism entropy_from_logits_with_chunking entropy_checkpointing forward_only
+    ulysses_sequence_parallel_size use_torch_compile
 """
 
 
@@ -36,13 +43,16 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "actor_rollout_ref.model",
             """
-            use_remove_padding external_lib use_shm enable_activation_offload use_liger use_fused_kernels
+            external_lib use_shm enable_activation_offload use_liger use_fused_kernels
             fused_kernel_options lora_alpha target_modules exclude_modules lora_adapter_path override_config
             hf_config_path tokenizer_path tiled_mlp mtp
             """,
         ),
         # the actor: FSDP and sequence parallelism (one process today), dynamic token-budget batches
         *_under("actor_rollout_ref.actor", _REF_AND_ACTOR),
+        *_under("actor_rollout_ref.actor.fsdp_config", _FSDP),
+        *_under("actor_rollout_ref.ref.fsdp_config", _FSDP),
+        *_under("critic.model.fsdp_config", _FSDP),
         *_under(
             "actor_rollout_ref.actor",
             """
@@ -91,7 +101,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "critic.model",
             """
-            fsdp_config external_lib use_remove_padding enable_activation_offload use_shm lora_alpha
+            external_lib enable_activation_offload use_shm lora_alpha
             target_modules override_config tokenizer_path tiled_mlp
             """,
         ),
@@ -111,7 +121,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "trainer",
             """
-            balance_batch default_hdfs_dir del_local_ckpt_after_load esi_redundant_time
+            default_hdfs_dir del_local_ckpt_after_load esi_redundant_time
             ray_wait_register_center_timeout use_legacy_worker_impl max_critic_ckpt_to_keep
             validation_data_dir profile_steps device_name
             """,

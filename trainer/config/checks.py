@@ -18,7 +18,7 @@ GPUS = "trainer.nnodes * trainer.n_gpus_per_node"
 
 def problems(config: Config) -> list[str]:
     found = [
-        *single_process_problems(config),
+        *ray_problems(config),
         *batch_size_problems(config),
         *path_problems(config),
         *algorithm_problems(config),
@@ -27,38 +27,57 @@ def problems(config: Config) -> list[str]:
     return [p for p in found if p]
 
 
-def single_process_problems(config: Config) -> list[str]:
-    """The trainer is one process today: a world size it cannot use is refused, not silently shrunk.
+def ray_problems(config: Config) -> list[str]:
+    """More than one GPU (or trainer.use_ray=true) trains through Ray role groups: Ray must be installed."""
+    import importlib.util
 
-    Remove this check (and its test) when the distributed trainer lands.
-    """
-    if config.world_size == 1:
+    if not config.uses_ray or importlib.util.find_spec("ray") is not None:
         return []
     return [
-        f"{GPUS} = {config.world_size} GPUs: multi-GPU training is not built yet; this trainer runs one "
-        "process on one GPU (or the CPU). Set trainer.nnodes=1 trainer.n_gpus_per_node=1"
+        f"{GPUS} = {config.world_size} GPUs (or trainer.use_ray=true) trains through Ray, which is not "
+        "installed: pip install 'ray[default]' (part of the trainer extra)"
     ]
 
 
 def notices(config: Config) -> list[str]:
     lines = []
     rollout = config.actor_rollout_ref.rollout
-    if rollout.multi_turn.enable and rollout.name != "builtin":
+    if rollout.multi_turn.enable and rollout.name != rollout.engine:
         lines.append(
-            f"rollout: multi-turn tool calls run on the built-in engine (continuous batching), not on "
-            f"actor_rollout_ref.rollout.name={rollout.name}"
+            f"rollout: multi-turn tool calls run on the {rollout.engine} engine (the rollout manager's async "
+            f"path), not on actor_rollout_ref.rollout.name={rollout.name}"
         )
-    elif rollout.name in ("sglang", "vllm"):
+    elif rollout.name != rollout.engine:
         lines.append(
             f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
             f"engine ({rollout.engine}: transformers generate) generates instead"
         )
     if rollout.n > 1 and not rollout.do_sample:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
+    offloads = one_process_offloads(config)
+    if offloads:
+        lines.append(
+            "fsdp: " + ", ".join(offloads) + " act in Ray runs only (more than one GPU, or "
+            "trainer.use_ray=true); this run is one process"
+        )
     if config.no_effect_keys:
         lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
     lines += tool_config_notices(config)
     return lines
+
+
+def one_process_offloads(config: Config) -> list[str]:
+    """The fsdp_config offload keys set in a run without Ray, where nothing is sharded or offloaded."""
+    if config.uses_ray:
+        return []
+    arr = config.actor_rollout_ref
+    sections = {
+        "actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
+        "actor_rollout_ref.ref.fsdp_config": arr.ref.fsdp_config,
+        "critic.model.fsdp_config": config.critic.model.fsdp_config,
+    }
+    keys = ("param_offload", "optimizer_offload", "offload_policy")
+    return [f"{prefix}.{key}" for prefix, fsdp in sections.items() for key in keys if getattr(fsdp, key)]
 
 
 # ---------------------------------------------------------------------------------------- batch sizes
@@ -267,6 +286,11 @@ def multi_turn_problems(config: Config) -> list[str]:
     if not multi_turn.enable:
         return []
     key = "actor_rollout_ref.rollout.multi_turn"
+    if config.uses_ray:
+        return [
+            f"{key}.enable: multi-turn rollouts run in one-process runs for now (the Ray ranks' colocated "
+            "engine has no async path); use one GPU, or trainer.use_ray=false"
+        ]
     if multi_turn.tool_config_path:
         from trainer.agent.tools import load_tool_config  # torch-free
 

@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from trainer.config.run import Config
     from trainer.config.schema import Section
 
-# What generates for each rollout.name. sglang and vllm are not wired in yet: the built-in engine
-# (transformers generate) runs instead, and trainer/config/checks.py says so at start.
-ENGINE_USED = {"hf": "hf", "builtin": "hf", "sglang": "hf", "vllm": "hf"}
+# What generates for each rollout.name (trainer/rollout/factory.py builds it). vllm is not wired in
+# yet: transformers generate runs instead, and trainer/config/checks.py says so at start.
+ENGINE_USED = {"hf": "hf", "builtin": "builtin", "sglang": "sglang", "vllm": "hf"}
 
 
 def per_gpu(global_size: int | None, world: int) -> int | None:
@@ -39,8 +39,9 @@ def fill_derived(config: Config) -> None:
     data.gen_batch_size = data.gen_batch_size or data.train_batch_size
     rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
     rollout.response_length = rollout.response_length or data.max_response_length
-    # multi-turn rollouts need the async, continuously batching engine behind the rollout manager
-    rollout.engine = "builtin" if rollout.multi_turn.enable else ENGINE_USED[rollout.name]
+    rollout.engine = ENGINE_USED[rollout.name]
+    if rollout.multi_turn.enable and rollout.engine == "hf":
+        rollout.engine = "builtin"  # the agent loop needs the rollout manager's async, batching path
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
     actor.loss_scale_factor = actor.loss_scale_factor or data.max_response_length
@@ -80,6 +81,8 @@ def _fill_critic(config: Config) -> None:
     critic.model.path = critic.model.path or arr.model.path
     if critic.model.trust_remote_code is None:
         critic.model.trust_remote_code = arr.model.trust_remote_code
+    if critic.model.use_remove_padding is None:
+        critic.model.use_remove_padding = arr.model.use_remove_padding
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
     critic.shuffle = actor.shuffle if critic.shuffle is None else critic.shuffle

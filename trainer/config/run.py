@@ -35,11 +35,22 @@ class TrainerConfig(Section):
     log_val_generations: int = Field(
         0, ge=0, description="Validation samples (prompt, response, score) logged each time."
     )
-    nnodes: int = Field(
-        1, ge=1, description="Machines. Today only 1 (one process): a larger world size is refused."
-    )
+    nnodes: int = Field(1, ge=1, description="Machines (Ray nodes); more than one trains through Ray.")
     n_gpus_per_node: int = Field(
-        1, ge=1, description="GPUs per machine. Today only 1 (one process): a larger world size is refused."
+        1, ge=1, description="GPUs per machine; more than one GPU in all trains through Ray."
+    )
+    use_ray: bool | None = Field(
+        None,
+        description="Train through Ray role groups (FSDP2, one rank per GPU). null: when nnodes x "
+        "n_gpus_per_node > 1; false: one process (CPU debugging, the offline demo).",
+    )
+    role_pools: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="Ray runs: colocated shares every GPU between policy, rollout, reference and critic; "
+        "separate gives each role its own nnodes x n_gpus_per_node GPUs.",
+    )
+    balance_batch: bool = Field(
+        True, description="Ray runs: deal rows to ranks balanced by tokens (false: in consecutive runs)."
     )
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: cuda when available, else cpu.")
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
@@ -149,6 +160,12 @@ class Config(Section):
     @property
     def world_size(self) -> int:
         return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def uses_ray(self) -> bool:
+        """Ray role groups (trainer/cluster.py) rather than the workers in the driver's process."""
+        choice = self.trainer.use_ray
+        return self.world_size > 1 if choice is None else choice
 
     @property
     def use_critic(self) -> bool:

@@ -105,6 +105,23 @@ class DataConfig(Section):
 # ---------------------------------------------------------------------------------------- model / actor
 
 
+class FSDPConfig(Section):
+    """verl's `fsdp_config`: where a role's FSDP2 shards live (multi-GPU runs: trainer/fsdp.py)."""
+
+    param_offload: bool = Field(
+        False, description="Move the parameter shards to the CPU between the role's calls (Ray runs)."
+    )
+    optimizer_offload: bool = Field(
+        False, description="Move the AdamW moments to the CPU between updates (Ray runs)."
+    )
+    offload_policy: bool = Field(
+        False, description="FSDP2 CPUOffloadPolicy: shards, gradients and the optimizer step stay on the CPU."
+    )
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (false: keep them until backward)."
+    )
+
+
 class ModelConfig(Section):
     path: str = Field(
         "Qwen/Qwen2.5-0.5B-Instruct", description="Policy weights: a hub id, a local folder, or a .gguf file."
@@ -115,6 +132,11 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(False, description="Allow the model repo's own Python code.")
     enable_gradient_checkpointing: bool = Field(
         True, description="Recompute activations in backward to save memory."
+    )
+    use_remove_padding: bool = Field(
+        False,
+        description="Pack each micro-batch's sequences into one row (no padding) for the policy, reference "
+        "and critic forwards; variable-length flash attention on CUDA.",
     )
     lora_rank: int = Field(0, ge=0, description="LoRA rank. Only 0 (full fine-tuning) is supported.")
 
@@ -146,6 +168,7 @@ class PolicyLossConfig(Section):
 
 
 class ActorConfig(Section):
+    fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig, description="The policy's FSDP2 shards.")
     ppo_mini_batch_size: int = Field(
         256,
         ge=1,
@@ -245,8 +268,10 @@ class MultiTurnConfig(Section):
 class RolloutConfig(Section):
     name: Literal["hf", "builtin", "sglang", "vllm"] = Field(
         "hf",
-        description="Generation engine asked for. hf / builtin: the built-in engine (transformers "
-        "generate); sglang / vllm: not wired in yet, the built-in engine generates instead (said at start).",
+        description="Generation engine asked for. hf: transformers over the policy's own module; "
+        "builtin: the built-in fast engine (continuous batching; Triton kernels and CUDA graphs on GPU); "
+        "sglang: SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not wired in yet, "
+        "hf generates instead (said at start).",
     )
     engine: str | None = Field(
         None,
@@ -285,6 +310,7 @@ class RolloutConfig(Section):
 
 
 class RefConfig(Section):
+    fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig, description="The reference's FSDP2 shards.")
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         None, ge=1, description="Sequences per reference forward. null: the actor's micro-batch."
     )
@@ -313,6 +339,10 @@ class CriticModelConfig(Section):
         None, description="null: actor_rollout_ref.model.trust_remote_code."
     )
     enable_gradient_checkpointing: bool = Field(True, description="Recompute activations in backward.")
+    use_remove_padding: bool | None = Field(
+        None, description="Padding-free critic forwards. null: actor_rollout_ref.model.use_remove_padding."
+    )
+    fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig, description="The critic's FSDP2 shards.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank. Only 0 is supported.")
 
 

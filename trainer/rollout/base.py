@@ -85,3 +85,7 @@ class RolloutEngine(Protocol):
     def resume_memory(self) -> None:
         """Undo release_memory before the next generate()."""
         ...
+
+    def close(self) -> None:
+        """Stop what the engine runs (threads, servers it started); the run is over."""
+        ...

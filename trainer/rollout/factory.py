@@ -10,6 +10,7 @@ Every engine answers rollout/base.py's RolloutEngine protocol and has `pad_id` a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -18,6 +19,22 @@ import torch
 from trainer.rollout.base import RolloutEngine
 
 RolloutName = Literal["hf", "builtin", "sglang"]
+URLS_ENV = "ROLLOUT_SERVER_URLS"  # comma-separated, like the services' *_URL variables
+# The share of a GPU a started SGLang server takes (verl's rollout.gpu_memory_utilization default), so a
+# trainer on the same GPU keeps the rest.
+SGLANG_MEMORY_FRACTION = 0.5
+
+
+def server_urls_from_env() -> list[str]:
+    return [url.strip() for url in os.environ.get(URLS_ENV, "").split(",") if url.strip()]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (one server is started on each)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def build_rollout(
@@ -32,7 +49,7 @@ def build_rollout(
     server_urls: Sequence[str] = (),
     gpus: Sequence[str] = (),
     tp_size: int = 1,
-    gpu_memory_utilization: float | None = None,
+    gpu_memory_utilization: float = SGLANG_MEMORY_FRACTION,
     startup_timeout_s: float = 900.0,
 ) -> RolloutEngine:
     """context_length: prompt + response tokens (data.max_prompt_length + data.max_response_length)."""
@@ -56,7 +73,9 @@ def build_rollout(
         servers = None
         if not server_urls:
             if not gpus:
-                raise ValueError("rollout.name=sglang needs server URLs or GPUs to start servers on")
+                raise ValueError(
+                    f"rollout.name=sglang needs server URLs ({URLS_ENV}) or GPUs to start servers on"
+                )
             servers = sglang_servers(
                 model_path, list(gpus), tp_size=tp_size, mem_fraction_static=gpu_memory_utilization
             ).start(startup_timeout_s)

@@ -100,7 +100,7 @@ class LocalReplica:
         if load_format not in DISK_FORMATS:
             raise ValueError(f"load_format {load_format!r} is not supported (use safetensors)")
         state = await asyncio.to_thread(lambda: dict(checkpoint_tensors(model_path)))
-        await self.worker.call(self.engine.load_weights, state)
+        await self.worker.call(lambda: self.engine.load_weights(state, strict=True))
         self.model_path = model_path
         self.weight_version = weight_version or self.weight_version
 
@@ -108,7 +108,7 @@ class LocalReplica:
         self, named_tensors: Mapping[str, Tensor], *, weight_version: str | None = None
     ) -> None:
         """Copy tensors in memory into the engine (a subset of the weights is fine)."""
-        await self.worker.call(lambda: self.engine.load_weights(named_tensors, strict=False))
+        await self.worker.call(self.engine.load_weights, named_tensors)
         self.weight_version = weight_version or self.weight_version
 
     async def update_weights_from_serialized(

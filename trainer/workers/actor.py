@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from trainer import algos
 from trainer.algos import KLKind, LossAggMode
 from trainer.batch import TrainBatch
+from trainer.distributed import SINGLE_PROCESS, DataParallel
 from trainer.workers.common import (
     MiniBatchMetrics,
     OptimizerSettings,
@@ -74,11 +75,12 @@ class Policy(TrainedModel):
         log_prob_micro_batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
         logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
+        dp: DataParallel = SINGLE_PROCESS,
     ) -> None:
         """temperature: the rollout's, so logprobs are taken under the distribution that sampled.
         log_prob_micro_batch_size: sequences per compute_logprobs forward (default: the update's).
         """
-        super().__init__(model, optim, update, autocast_dtype=autocast_dtype)
+        super().__init__(model, optim, update, autocast_dtype=autocast_dtype, dp=dp)
         self.loss = loss
         self.temperature = temperature
         self.log_prob_micro_batch_size = log_prob_micro_batch_size or update.micro_batch_size
@@ -114,8 +116,8 @@ class Policy(TrainedModel):
 
     def train_mini_batch(self, mini_batch: TrainBatch) -> dict[str, float]:
         """Accumulate the micro-batches' gradients (the optimizer step is the caller's)."""
-        denominators = global_denominators(mini_batch, self.loss.max_response_len)
-        metrics = MiniBatchMetrics(float(mini_batch.response_mask.sum()), LOSS_METRICS)
+        denominators = global_denominators(mini_batch, self.loss.max_response_len, self.dp)
+        metrics = MiniBatchMetrics(denominators["num_tokens"], LOSS_METRICS)
         for micro in self.micro_batches(mini_batch):
             with self.autocast():
                 out = response_logprobs(
@@ -128,7 +130,7 @@ class Policy(TrainedModel):
             terms = policy_loss_terms(out, micro, self.loss, denominators)
             terms.pop("total").backward()
             metrics.add(terms, tokens=float(micro.response_mask.sum()))
-        return metrics.result()
+        return metrics.result(self.dp)
 
 
 def policy_loss_terms(

@@ -9,7 +9,7 @@ One update(), verl's dp_actor.update_policy in our terms:
 Each micro-batch's loss is aggregated with the mini-batch's GLOBAL token and sequence counts
 (`global_denominators`, algos.aggregate_loss), so the summed micro-batch gradients equal the mini-batch
 gradient exactly: micro-batch 1 x accumulation 8 gives the same parameters as 8 x 1. Under data
-parallelism these counts must be all-reduced over ranks (the distributed issue).
+parallelism these counts are summed over the ranks first (trainer/distributed.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from torch import Tensor
 
 from trainer import algos
 from trainer.batch import TrainBatch
+from trainer.distributed import SINGLE_PROCESS, DataParallel
+from trainer.fsdp import compute_device, full_tensor
 from trainer.model import autocast
 
 # ------------------------------------------------------------------------------------------ batching
@@ -55,12 +57,17 @@ class UpdateSettings:
             raise ValueError(f"update sizes and ppo_epochs must be >= 1; got {self}")
 
 
-def global_denominators(mini_batch: TrainBatch, max_response_len: int | None) -> dict:
-    """algos.aggregate_loss's num_tokens / num_seqs / max_response_len for every micro-batch of it."""
+def global_denominators(mini_batch: TrainBatch, max_response_len: int | None, dp: DataParallel) -> dict:
+    """algos.aggregate_loss's num_tokens / num_seqs / max_response_len for every micro-batch of it.
+
+    Under data parallelism `mini_batch` is this rank's share: the counts are summed over the ranks, so
+    every rank divides by the whole mini-batch's and their gradients add up to the global gradient.
+    """
     mask = mini_batch.response_mask
+    tokens, seqs = dp.sum_floats(float(mask.sum()), float(algos.count_loss_sequences(mask)))
     return {
-        "num_tokens": max(float(mask.sum()), 1.0),
-        "num_seqs": max(int(algos.count_loss_sequences(mask)), 1),
+        "num_tokens": max(tokens, 1.0),
+        "num_seqs": max(int(seqs), 1),
         "max_response_len": max_response_len or mini_batch.response_width,
     }
 
@@ -130,7 +137,7 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
     """Clip the global grad norm and step; a non-finite norm skips the step. Returns the pre-clip norm."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     max_norm = grad_clip if grad_clip and grad_clip > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm)))  # FSDP: a DTensor
     if math.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -141,10 +148,11 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
 
 
 class MiniBatchMetrics:
-    """One mini-batch's metrics, summed over its micro-batches.
+    """One mini-batch's metrics, summed over its micro-batches (and over the data-parallel ranks).
 
     Loss terms are already divided by the mini-batch's global denominators, so their micro-batch parts
-    add up; every other value is a per-token mean of its micro-batch, weighted here by its tokens.
+    add up; every other value is a per-token mean of its micro-batch, weighted here by its tokens out of
+    the whole mini-batch's (`total_tokens`, summed over ranks).
     """
 
     def __init__(self, total_tokens: float, loss_names: tuple[str, ...]) -> None:
@@ -157,8 +165,9 @@ class MiniBatchMetrics:
             weight = 1.0 if name in self.loss_names else tokens / self.total_tokens
             self.sums[name] += value * weight
 
-    def result(self) -> dict[str, float]:
-        return dict(self.sums)
+    def result(self, dp: DataParallel = SINGLE_PROCESS) -> dict[str, float]:
+        names = sorted(self.sums)  # every rank has the same names; sum them in the same order
+        return dict(zip(names, dp.sum_floats(*(self.sums[name] for name in names))))
 
 
 class MetricAccumulator:
@@ -197,16 +206,19 @@ class TrainedModel:
         update: UpdateSettings,
         *,
         autocast_dtype: torch.dtype | None = None,
+        dp: DataParallel = SINGLE_PROCESS,
     ) -> None:
+        """dp: the data-parallel ranks it trains with (trainer/distributed.py); one process by default."""
         self.model = model
         self.optim = optim
         self.update_settings = update
         self.autocast_dtype = autocast_dtype
+        self.dp = dp
         self.optimizer, self.scheduler = build_optimizer(model, optim)
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return compute_device(self.model)
 
     def autocast(self):
         return autocast(self.device, self.autocast_dtype)

@@ -17,6 +17,10 @@ from transformers import PreTrainedModel
 from trainer import algos
 from trainer.algos import LossAggMode
 from trainer.batch import TrainBatch
+from trainer.distributed import SINGLE_PROCESS, DataParallel
+from trainer.fsdp import in_root_forward
+from trainer.model import backbone_and_head
+from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import (
     MiniBatchMetrics,
     OptimizerSettings,
@@ -38,18 +42,16 @@ class ValueLossSettings:
 
 def response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
     """Values [B, T] (fp32) of the batch's response tokens, 0 off them; in the caller's grad/autocast
-    context.
+    context. Runs as one forward of the FSDP root when the model is sharded (trainer/fsdp.py).
     """
-    output = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
-    values = output.logits.squeeze(-1).float()  # [B, L]
-    start = batch.prompt_width - 1
-    values = values[:, start : start + batch.response_width]
-    return values * batch.attention_mask[:, batch.prompt_width :]
+    return in_root_forward(model, _response_values, batch)
+
+
+def _response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
+    backbone, head = backbone_and_head(model)
+    hidden, real = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
+    values = head(hidden).squeeze(-1).float()  # only the positions that predict real response tokens
+    return torch.zeros(real.shape, dtype=values.dtype, device=values.device).masked_scatter(real, values)
 
 
 class Critic(TrainedModel):
@@ -66,9 +68,10 @@ class Critic(TrainedModel):
         *,
         forward_micro_batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
+        dp: DataParallel = SINGLE_PROCESS,
     ) -> None:
         """forward_micro_batch_size: sequences per compute_values forward (default: the update's)."""
-        super().__init__(model, optim, update, autocast_dtype=autocast_dtype)
+        super().__init__(model, optim, update, autocast_dtype=autocast_dtype, dp=dp)
         self.loss = loss
         self.forward_micro_batch_size = forward_micro_batch_size or update.micro_batch_size
 
@@ -87,8 +90,8 @@ class Critic(TrainedModel):
 
     def train_mini_batch(self, mini_batch: TrainBatch) -> dict[str, float]:
         """Fit the values to returns, clipped around the values before the update (verl's critic/*)."""
-        denominators = global_denominators(mini_batch, self.loss.max_response_len)
-        metrics = MiniBatchMetrics(float(mini_batch.response_mask.sum()), ("critic/vf_loss",))
+        denominators = global_denominators(mini_batch, self.loss.max_response_len, self.dp)
+        metrics = MiniBatchMetrics(denominators["num_tokens"], ("critic/vf_loss",))
         for micro in self.micro_batches(mini_batch):
             with self.autocast():
                 values = response_values(self.model, micro)
@@ -111,4 +114,4 @@ class Critic(TrainedModel):
                 },
                 tokens=float(micro.response_mask.sum()),
             )
-        return metrics.result()
+        return metrics.result(self.dp)

@@ -20,7 +20,9 @@ from transformers import PreTrainedModel
 
 from trainer import algos
 from trainer.batch import TrainBatch
+from trainer.fsdp import compute_device, in_root_forward
 from trainer.model import autocast, backbone_and_head
+from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import micro_batches, pad_response_columns
 
 DEFAULT_LOGITS_CHUNK_SIZE = 1024  # tokens per LM-head chunk: 1024 x 151936 fp32 logits = 0.6 GB
@@ -52,22 +54,22 @@ def response_logprobs(
 ) -> ResponseLogprobs:
     """Logprobs (and entropy) of the batch's response tokens under `model`, computed chunk by chunk.
 
-    Runs in the caller's grad / autocast context; gradients flow into the model when enabled.
+    Runs in the caller's grad / autocast context; gradients flow into the model when enabled. A model
+    set up for padding removal (trainer/packing.py) runs the micro-batch packed; an FSDP-sharded one
+    runs it as one forward of its root (trainer/fsdp.py).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute logprobs, got {temperature}")
+    return in_root_forward(model, _response_logprobs, batch, temperature, with_entropy, chunk_size)
+
+
+def _response_logprobs(
+    model: PreTrainedModel, batch: TrainBatch, temperature: float, with_entropy: bool, chunk_size: int
+) -> ResponseLogprobs:
     backbone, head = backbone_and_head(model)
-    hidden = backbone(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state
-    prompt_width, response_width = batch.prompt_width, batch.response_width
-    # position P-1+t predicts response token t
-    predicting = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width]
-    real = batch.attention_mask[:, prompt_width:].bool()  # real response tokens (loss-masked or not)
-    hidden_rows, targets = predicting[real], batch.responses[real]
+    # the hidden states at the positions predicting the real response tokens (loss-masked or not)
+    hidden_rows, real = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
+    targets = batch.responses[real]
     logprob_parts, entropy_parts = [], []
     for start in range(0, targets.shape[0], chunk_size):
         args = (
@@ -83,7 +85,7 @@ def response_logprobs(
             logprob, entropy = _chunk_logprobs(*args)
         logprob_parts.append(logprob)
         entropy_parts.append(entropy)
-    logprobs = hidden.new_zeros(real.shape, dtype=torch.float32)
+    logprobs = hidden_rows.new_zeros(real.shape, dtype=torch.float32)
     logprobs = logprobs.masked_scatter(real, torch.cat(logprob_parts)) if logprob_parts else logprobs
     entropy = None
     if with_entropy:
@@ -104,7 +106,7 @@ def batched_response_logprobs(
     chunk_size: int,
 ) -> ResponseLogprobs:
     """response_logprobs over the whole batch, micro-batch by micro-batch, without gradients."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     logprob_parts, entropy_parts = [], []
     for micro in micro_batches(batch, micro_batch_size, device):
         with autocast(device, autocast_dtype):

@@ -206,8 +206,11 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------------------------ weights, memory
 
-    def load_weights(self, state: Mapping[str, Tensor], *, strict: bool = True) -> int:
-        """Copy transformers-named weights into the engine (in place: captured graphs stay valid)."""
+    def load_weights(self, state: Mapping[str, Tensor], *, strict: bool = False) -> int:
+        """Copy transformers-named weights into the engine (in place: captured graphs stay valid).
+
+        A subset is fine (weight sync in buckets); unknown names and wrong shapes are errors; strict:
+        every weight must be given (a whole checkpoint)."""
         if "weights" in self.released:
             raise EngineStateError("weights are released; resume_memory_occupation(['weights']) first")
         return self.model.load(state, strict=strict)

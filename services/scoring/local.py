@@ -1,7 +1,7 @@
-"""The reward-server's core: which scorer an item gets, and `LocalScorer`, which scores batches.
+"""Which scorer an item gets, and `LocalScorer`, which scores batches: the scoring library.
 
-The server's routes and the trainer's `reward_model.mode=local` run this same class, so a reward
-is the same number whichever path computed it.
+The reward-server (a thin HTTP layer over it) and the trainer's in-process mode run this same
+class, so a reward is the same number whichever path computed it.
 
 Dispatch follows verl's `default_compute_score` (an item's explicit `scorer` field wins):
   openai/gsm8k, gsm8k, synthetic-arith                                  -> gsm8k
@@ -12,31 +12,38 @@ Dispatch follows verl's `default_compute_score` (an item's explicit `scorer` fie
 verl scores math_dapo/aime with its own "Answer:" scorer and numina_* with prime_math; here all of
 them go through math-verify, which reads those answer styles too.
 
-Cheap scorers (gsm8k, QA) run inline: a regex over a 300-character tail costs microseconds, far less
-than a trip to another process. math-verify runs in the killable worker pool with a deadline per
-item; the reward model runs in a thread. An item that cannot be scored (unknown data_source, a
-ground truth of the wrong shape, a timeout) gets score 0 and `error`; the rest of its batch is unaffected.
+Cheap scorers (gsm8k, QA) run in one thread beside the caller's event loop (never on it: a batch of
+16k items is tens of milliseconds of CPU), in linear time whatever the text. math-verify runs in the
+killable worker pool with a deadline per item, queued fairly against other batches; the reward model
+runs in a thread. A batch has a deadline too (`request_deadline_s`, or a shorter `options.deadline_s`):
+items not scored by then get a "deadline" error, and their queued or running pool work is dropped, as
+it is when the caller stops waiting (the server cancels a batch whose client disconnected). An item
+that cannot be scored (unknown data_source, a ground truth of the wrong shape, a timeout) gets score 0
+and `error`; the rest of its batch is unaffected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
-from services.reward_server.pool import KillablePool
 from services.reward_server.schemas import RewardItem, RewardOptions, RewardResult, ScorerName
-from services.reward_server.scorers import gsm8k, qa, shaping
-from services.reward_server.scorers import math as math_scorer
+from services.scoring import gsm8k, qa, shaping
+from services.scoring import math as math_scorer
+from services.scoring.pool import KillablePool
 
 GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k", "synthetic-arith"})
 QA_SOURCES = frozenset({"nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"})
 MATH_PREFIXES = ("aime", "amc", "numina_")
+MAX_RESPONSE_TOKENS = 10**9  # beyond any context window; bounds the overlong arithmetic
 DEFAULT_OPTIONS = RewardOptions()
 
 
@@ -92,6 +99,13 @@ class ScorerSettings(BaseModel):
     math_timeout_s: float = Field(
         10.0, gt=0, description="Deadline per math item; past it the worker is killed."
     )
+    request_deadline_s: float = Field(
+        120.0,
+        gt=0,
+        description="Deadline of a whole batch; items not scored by then fail with a deadline error. "
+        "Keep it below the clients' timeout (the trainer's is 300 s) so a client never retries work "
+        "the server is still doing.",
+    )
     math_memory_limit_mb: int = Field(
         4096, ge=0, description="Address-space limit of each math worker in MiB (0: none)."
     )
@@ -118,6 +132,7 @@ class Scored:
     extracted: str | None = None
     error: str | None = None
     well_formed: bool = False
+    late: bool = False  # not scored before the batch's deadline
 
 
 @functools.lru_cache(maxsize=4096)
@@ -135,6 +150,18 @@ def scorer_for(data_source: str) -> ScorerName | None:
 
 def failed(scorer: str, error: str) -> Scored:
     return Scored(scorer, error=error)
+
+
+def late(scorer: str, deadline_s: float) -> Scored:
+    error = f"request deadline of {deadline_s:g}s passed before this item was scored"
+    return Scored(scorer, error=error, late=True)
+
+
+def finite(scored: Scored) -> Scored:
+    """A reward must be a number a trainer can add up: a reward model's NaN is that item's error."""
+    if math.isfinite(scored.score):
+        return scored
+    return failed(scored.scorer, f"the score is not a finite number ({scored.score})")
 
 
 def score_gsm8k_item(item: dict, options: RewardOptions) -> Scored:
@@ -168,9 +195,11 @@ def shape(scored: Scored, item: dict, options: RewardOptions) -> Scored:
         scored.score += shaping.format_term(scored.well_formed, options.format_bonus, options.format_penalty)
     if options.overlong_enable:
         length = (item.get("extra_info") or {}).get("response_length")
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= MAX_RESPONSE_TOKENS:
             return failed(
-                scored.scorer, "overlong shaping needs extra_info.response_length (a token count >= 0)"
+                scored.scorer,
+                "overlong shaping needs extra_info.response_length "
+                f"(a token count in 0..{MAX_RESPONSE_TOKENS})",
             )
         scored.score += shaping.overlong_penalty(
             length, options.overlong_max_len, options.overlong_buffer_len, options.overlong_penalty_factor
@@ -182,9 +211,24 @@ def unknown_scorer_message(item: dict) -> str:
     if item.get("scorer"):  # only dicts given to LocalScorer directly; the server validated the name
         return f"unknown scorer {item['scorer']!r}; use one of {', '.join(SCORER_DOCS)}"
     return (
-        f"no scorer for data_source {item['data_source']!r}; set `scorer` to one of "
+        f"no scorer for data_source {item['data_source'][:80]!r}; set `scorer` to one of "
         f"{', '.join(SCORER_DOCS)} (GET /v1/scorers lists the data sources)"
     )
+
+
+def score_inline(items: Sequence[dict], names: Sequence[str | None], options: RewardOptions) -> list:
+    """The cheap scorers' items (gsm8k, QA, unknown names); None where math or the model will score."""
+    scored: list[Scored | None] = []
+    for item, name in zip(items, names):
+        if name == "gsm8k":
+            scored.append(score_gsm8k_item(item, options))
+        elif name == "qa_em" or name == "qa_f1":
+            scored.append(score_qa_item(item, name, options))
+        elif name == "math" or name == "model":
+            scored.append(None)
+        else:
+            scored.append(failed("none", unknown_scorer_message(item)))
+    return scored
 
 
 def to_result(scored: Scored) -> RewardResult:
@@ -213,10 +257,11 @@ class LocalScorer:
             memory_limit_mb=self.settings.math_memory_limit_mb,
         )
         self.math_pool.start()
+        self._inline = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inline-scoring")
         self.reward_model = None
         try:
             if self.settings.reward_model:
-                from services.reward_server.scorers.model import RewardModel
+                from services.scoring.model import RewardModel
 
                 s = self.settings
                 self.reward_model = RewardModel(
@@ -233,6 +278,7 @@ class LocalScorer:
 
     def close(self) -> None:
         self.math_pool.close()
+        self._inline.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> LocalScorer:
         return self
@@ -242,6 +288,11 @@ class LocalScorer:
 
     def available(self, scorer: str) -> bool:
         return scorer != "model" or self.reward_model is not None
+
+    def deadline_of(self, options: RewardOptions) -> float:
+        """A request may ask for a shorter deadline than the server's, never a longer one."""
+        limit = self.settings.request_deadline_s
+        return limit if options.deadline_s is None else min(options.deadline_s, limit)
 
     async def score(
         self, items: Sequence[RewardItem | dict], options: RewardOptions | None = None
@@ -253,42 +304,54 @@ class LocalScorer:
     async def score_items(self, items: Sequence[dict], options: RewardOptions | None = None) -> list[Scored]:
         """Like `score`, for items as validated dicts (schemas.RewardItemDict), keeping which scorer ran."""
         options = options or DEFAULT_OPTIONS
-        scored: list[Scored | None] = [None] * len(items)
-        math_indices, model_indices = [], []
-        for index, item in enumerate(items):
-            name = item.get("scorer") or scorer_for(item["data_source"])
-            if name == "gsm8k":
-                scored[index] = score_gsm8k_item(item, options)
-            elif name == "qa_em" or name == "qa_f1":
-                scored[index] = score_qa_item(item, name, options)
-            elif name == "math":
-                math_indices.append(index)
-            elif name == "model":
-                model_indices.append(index)
-            else:
-                scored[index] = failed("none", unknown_scorer_message(item))
-        if math_indices or model_indices:
-            math_scored, model_scored = await asyncio.gather(
-                self._score_math([items[i] for i in math_indices], options),
+        deadline_s = self.deadline_of(options)
+        names = [item.get("scorer") or scorer_for(item["data_source"]) for item in items]
+        math_indices = [i for i, name in enumerate(names) if name == "math"]
+        model_indices = [i for i, name in enumerate(names) if name == "model"]
+        loop = asyncio.get_running_loop()
+        inline = loop.run_in_executor(self._inline, score_inline, items, names, options)
+        group = object()  # one fair-queue group per batch: the pool alternates between batches
+        slow = self._within_deadline(
+            [
+                *(self._score_math(items[i], options, group) for i in math_indices),
                 self._score_model([items[i] for i in model_indices]),
-            )
-            for index, value in zip(math_indices + model_indices, math_scored + model_scored):
-                scored[index] = value
-        if not (options.format_bonus or options.format_penalty or options.overlong_enable):
-            return scored
-        return [shape(value, item, options) for value, item in zip(scored, items)]
+            ],
+            deadline_s,
+        )
+        scored, (*math_scored, model_scored) = await asyncio.gather(inline, slow)
+        for index, value in zip(math_indices, math_scored):
+            scored[index] = value or late("math", deadline_s)
+        if model_scored is None:
+            model_scored = [late("model", deadline_s)] * len(model_indices)
+        for index, value in zip(model_indices, model_scored):
+            scored[index] = value
+        if options.format_bonus or options.format_penalty or options.overlong_enable:
+            scored = [shape(value, item, options) for value, item in zip(scored, items)]
+        return [finite(value) for value in scored]
 
-    async def _score_math(self, items: list[dict], options: RewardOptions) -> list[Scored]:
-        async def one(item: dict) -> Scored:
-            if not isinstance(item["ground_truth"], str):
-                return failed("math", "math ground_truth must be a string (LaTeX or plain)")
-            outcome = await self.math_pool.run(item["response"], item["ground_truth"], options.format_score)
-            if outcome.error is not None:
-                return failed("math", f"math-verify: {outcome.error}")
-            value = outcome.value
-            return Scored("math", value.score, value.correct, value.extracted, None, value.well_formed)
+    @staticmethod
+    async def _within_deadline(jobs: list[Awaitable], deadline_s: float) -> list:
+        """Each job's result, or None for those still running at the deadline (they are cancelled)."""
+        tasks = [asyncio.ensure_future(job) for job in jobs]
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        finally:  # the deadline, or our own caller cancelling us: drop the pool work either way
+            for task in tasks:
+                task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return [task.result() if task in done else None for task in tasks]
 
-        return list(await asyncio.gather(*(one(item) for item in items)))
+    async def _score_math(self, item: dict, options: RewardOptions, group: object) -> Scored:
+        if not isinstance(item["ground_truth"], str):
+            return failed("math", "math ground_truth must be a string (LaTeX or plain)")
+        outcome = await self.math_pool.run(
+            item["response"], item["ground_truth"], options.format_score, group=group
+        )
+        if outcome.error is not None:
+            return failed("math", f"math-verify: {outcome.error}")
+        value = outcome.value
+        return Scored("math", value.score, value.correct, value.extracted, None, value.well_formed)
 
     async def _score_model(self, items: list[dict]) -> list[Scored]:
         if not items:

@@ -7,7 +7,7 @@ Score: 1.0 when equivalent, `format_score` when an answer was found but differs,
 
 sympy can hang or exhaust memory on hostile input, and math-verify's own timeouts use SIGALRM (main
 thread only, and unable to interrupt C code), so this function is only ever run inside the
-reward-server's worker processes (services.reward_server.pool), which kill a worker that overruns.
+reward-server's worker processes (services.scoring.pool), which kill a worker that overruns.
 Here math-verify's own timeouts are off: the pool's deadline is the one that counts.
 """
 

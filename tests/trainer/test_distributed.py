@@ -1,0 +1,385 @@
+"""The distributed trainer on a real Ray cluster of two simulated nodes (ray.cluster_utils.Cluster), with
+FSDP2 over gloo on CPU, and a tiny random Qwen2.
+
+One cluster serves the module: a head that runs no workers and two nodes of one CPU each, so a 2-rank
+group always spans both nodes. Groups are expensive to start (a process per rank that imports torch and
+loads the model), so each test builds only the groups it needs and shuts them down.
+
+Tolerances: fp32 on CPU. Gradients summed over 2 ranks equal one process's to float rounding (1e-5
+relative); AdamW's first steps divide by sqrt(v) ~ |g|, which magnifies rounding in near-zero
+gradients, so parameters are compared through the model's logprobs on a probe batch (atol 1e-4).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+from testing.tiny import make_tiny_model
+from trainer.batch import TrainBatch
+from trainer.checkpoint import LocalRole
+from trainer.fsdp import FSDPSettings
+from trainer.model import load_policy
+from trainer.rollout.base import Rollout, SamplingParams
+from trainer.workers.actor import Policy, PolicyLossSettings
+from trainer.workers.common import OptimizerSettings, UpdateSettings
+from trainer.workers.group import GroupRolloutEngine, PolicyGroup, ResourcePool, connect_ray
+from trainer.workers.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
+
+ray = pytest.importorskip("ray")
+
+VOCAB = 100
+MINI_BATCH, MICRO_BATCH = 4, 1  # 8 rows = 2 optimizer steps; each rank: 2 rows per step, 2 micro-batches
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    connect_ray(cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", hidden=32, layers=2, heads=4, kv_heads=2, seed=3
+    )
+
+
+def optim():
+    return OptimizerSettings(
+        lr=1e-3,
+        weight_decay=0.01,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        warmup_steps=0,
+        total_steps=10,
+        schedule="constant",
+        min_lr_ratio=0.0,
+    )
+
+
+def loss_settings(mode: str) -> PolicyLossSettings:
+    return PolicyLossSettings(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        loss_agg_mode=mode,
+        entropy_coeff=0.01,
+        use_kl_loss=False,
+        kl_loss_coef=0.0,
+        kl_loss_type="low_var_kl",
+    )
+
+
+def policy_settings(model_dir, mode="token-mean", engine=False, remove_padding=True) -> PolicyRankSettings:
+    return PolicyRankSettings(
+        model=ModelSettings(path=str(model_dir), remove_padding=remove_padding, fsdp=FSDPSettings()),
+        optim=optim(),
+        update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH),
+        loss=loss_settings(mode),
+        log_prob_micro_batch_size=2,
+        engine=EngineSettings() if engine else None,
+    )
+
+
+def policy_group(model_dir, nnodes: int, **settings) -> PolicyGroup:
+    import functools
+
+    pool = ResourcePool(nnodes, 1, use_gpu=False)
+    build = functools.partial(build_policy, policy_settings(model_dir, **settings))
+    return PolicyGroup(pool, build, mini_batch_size=MINI_BATCH, ppo_epochs=1, seed=0), pool
+
+
+def close(group, pool):
+    group.shutdown()
+    pool.release()
+
+
+def process_ends(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def make_batch(seed: int, rows: int = 8) -> TrainBatch:
+    """Prompts and responses of different lengths (so ranks get different token counts), one masked token
+    inside some responses, old logprobs off-policy by a little and +-advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for index in range(rows):
+        prompt_len, response_len = (
+            int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((2, 8), (1, 9))
+        )
+        loss_mask = [1] * response_len
+        if response_len > 3:
+            loss_mask[1] = 0
+        rollouts.append(
+            Rollout(
+                prompt_ids=torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist(),
+                response_ids=torch.randint(3, VOCAB, (response_len,), generator=gen).tolist(),
+                logprobs=[0.0] * response_len,
+                loss_mask=loss_mask,
+                finish_reason="length",
+                prompt_index=index // 2,
+            )
+        )
+    batch = TrainBatch.from_rollouts(rollouts, pad_id=0)
+    noise = 0.3 * torch.randn(batch.response_mask.shape, generator=gen)
+    advantages = torch.randn(len(batch), 1, generator=gen).expand_as(noise) * batch.response_mask
+    return batch.with_fields(old_logprobs=(-2.0 + noise) * batch.response_mask, advantages=advantages)
+
+
+def local_policy(model_dir, mode: str, checkpoint=None) -> Policy:
+    settings = policy_settings(model_dir, mode)
+    policy = Policy(
+        load_policy(str(model_dir)),
+        settings.optim,
+        settings.update,
+        settings.loss,
+        log_prob_micro_batch_size=settings.log_prob_micro_batch_size,
+    )
+    if checkpoint is not None:
+        LocalRole(policy.model, policy.optimizer, policy.scheduler).load(str(checkpoint))
+    return policy
+
+
+def assert_same_metrics(distributed: dict, single: dict) -> None:
+    assert distributed.keys() == single.keys()
+    for name, value in single.items():
+        assert distributed[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_ranks_on_two_nodes_give_the_update_of_one_process_and_resume_on_one(
+    cluster, model_dir, tmp_path, mode
+):
+    group, pool = policy_group(model_dir, nnodes=2, mode=mode)
+    try:
+        assert len(set(group.node_ids())) == 2  # one rank on each simulated node
+        group.save(str(tmp_path / "start"))  # the single process starts from the very same state
+        single = local_policy(model_dir, mode, checkpoint=tmp_path / "start")
+        probe = make_batch(seed=7)
+        for step, batch in enumerate((make_batch(seed=1), make_batch(seed=2))):
+            if step == 1:  # saved on 2 ranks with AdamW moments and a stepped schedule, resumed on 1
+                group.save(str(tmp_path / "after"))
+                single = local_policy(model_dir, mode, checkpoint=tmp_path / "after")
+            metrics, expected = group.update(batch), single.update(batch)
+            assert_same_metrics(metrics, expected)
+            assert metrics["actor/grad_norm"] > 0
+            after = group.compute_logprobs(probe, with_entropy=True)
+            reference = single.compute_logprobs(probe, with_entropy=True)
+            torch.testing.assert_close(after.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+            torch.testing.assert_close(after.entropy, reference.entropy, atol=1e-4, rtol=0)
+        # the group reads its own checkpoint back: rewound to after step 1, step 2 repeats exactly
+        group.load(str(tmp_path / "after"))
+        assert_same_metrics(group.update(make_batch(seed=2)), metrics)
+    finally:
+        close(group, pool)
+
+
+def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_dir, tmp_path):
+    import functools
+
+    from trainer.model import load_critic
+    from trainer.workers.critic import Critic, ValueLossSettings
+    from trainer.workers.group import CriticGroup
+    from trainer.workers.ranks import CriticRankSettings, build_critic
+
+    settings = CriticRankSettings(
+        # the ranks also recompute activations in backward (gradient checkpointing under FSDP2)
+        model=ModelSettings(path=str(model_dir), remove_padding=True, gradient_checkpointing=True),
+        optim=optim(),
+        update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH),
+        loss=ValueLossSettings(cliprange_value=0.5, loss_agg_mode="token-mean"),
+        forward_micro_batch_size=2,
+    )
+    pool = ResourcePool(2, 1, use_gpu=False)
+    group = CriticGroup(pool, functools.partial(build_critic, settings), mini_batch_size=MINI_BATCH)
+    try:
+        group.save(str(tmp_path / "start"))
+        single = Critic(load_critic(str(model_dir)), settings.optim, settings.update, settings.loss)
+        LocalRole(single.model, single.optimizer, single.scheduler).load(str(tmp_path / "start"))
+        batch = make_batch(seed=3)
+        values = group.compute_values(batch)
+        torch.testing.assert_close(values, single.compute_values(batch), atol=1e-5, rtol=0)
+        returns = values + torch.randn(values.shape, generator=torch.Generator().manual_seed(4))
+        batch = batch.with_fields(values=values, returns=returns * batch.response_mask)
+        assert_same_metrics(group.update(batch), single.update(batch))
+        probe = make_batch(seed=7)
+        torch.testing.assert_close(
+            group.compute_values(probe), single.compute_values(probe), atol=1e-4, rtol=0
+        )
+    finally:
+        close(group, pool)
+
+
+def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_dir):
+    group, pool = policy_group(model_dir, nnodes=2, engine=True)
+    engine = GroupRolloutEngine(group, pad_id=0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]  # 3 prompts: rank 0 samples 1, rank 1 samples 2
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5, n=2)
+
+    def generated_vs_policy(rollouts):
+        batch = TrainBatch.from_rollouts(rollouts, pad_id=0)
+        return batch.rollout_logprobs, group.compute_logprobs(batch).logprobs
+
+    try:
+        rollouts = engine.generate(prompts, greedy)
+        assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2]
+        assert [r.prompt_ids for r in rollouts[::2]] == prompts
+        engine_logprobs, policy_logprobs = generated_vs_policy(rollouts)
+        torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
+
+        for seed in (1, 2):
+            group.update(make_batch(seed=seed))
+        stale, updated = generated_vs_policy(engine.generate(prompts, greedy))
+        assert (stale - updated).abs().max() > 1e-3  # the engines still sample from the old weights
+
+        engine.load_weights()
+        assert engine.last_sync_s > 0
+        synced, updated = generated_vs_policy(engine.generate(prompts, greedy))
+        torch.testing.assert_close(synced, updated, atol=1e-4, rtol=0)
+    finally:
+        close(group, pool)
+
+
+# ------------------------------------------------------------------------------ the fit loop
+
+KILLER = """
+import os
+
+CALLS = 0
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # scored in the driver, once per response: the first response of step {kill_step} kills a policy rank
+    global CALLS
+    CALLS += 1
+    if CALLS == {per_step} * ({kill_step} - 1) + 1:
+        os.kill(int(open({pid_file!r}).read()), 9)
+    return 0.0
+"""
+
+
+def fit_args(model_dir, data_dir, workdir, *, steps: int, ranks: int) -> list[str]:
+    return [
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        f"data.train_files={data_dir / 'train.parquet'}",
+        "data.train_batch_size=8",
+        "data.max_prompt_length=160",
+        "data.max_response_length=4",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.rollout.do_sample=false",  # greedy: the same rollouts on 2 ranks or 1 process
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        f"trainer.nnodes={ranks}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.device=cpu",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={workdir / 'ckpt'}",
+        f"trainer.log_dir={workdir / 'run'}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_files(tmp_path_factory):
+    from services.data_server.export import write_verl_parquet
+    from services.data_server.sources import gsm8k_row
+
+    folder = tmp_path_factory.mktemp("gsm8k")
+    rows = [gsm8k_row(f"Question {i}: what is {i} + 3?", f"#### {i + 3}", "train", i) for i in range(32)]
+    write_verl_parquet(rows, folder / "train.parquet")
+    return folder
+
+
+def logged_steps(workdir) -> dict[int, dict]:
+    import json
+
+    lines = (workdir / "run" / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m for m in map(json.loads, lines) if "actor/grad_norm" in m}
+
+
+def test_fit_on_two_ranks_dies_cleanly_and_resumes_on_one_process(cluster, model_dir, gsm8k_files, tmp_path):
+    import asyncio
+
+    from trainer.config import load_config
+    from trainer.loop import TrainingAborted, _fit, train
+    from trainer.run import build_run, close_run
+
+    ranks_dir, single_dir = tmp_path / "ranks", tmp_path / "single"
+    pid_file = tmp_path / "pid"
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER.format(kill_step=3, per_step=8, pid_file=str(pid_file)))
+    cfg = load_config(
+        fit_args(model_dir, gsm8k_files, ranks_dir, steps=3, ranks=2)
+        + [f"custom_reward_function.path={killer}", "reward_model.mode=local"]
+    )
+
+    pids = []
+
+    async def train_until_killed():
+        run = await build_run(cfg)
+        try:
+            assert run.world_size == 2 and run.groups is not None
+            pids.extend(run.policy.pids)
+            pid_file.write_text(str(pids[1]))
+            await train(run)
+        finally:
+            await close_run(run)
+
+    # rank 1 is killed while step 3 scores its responses: the step fails in the policy's next call,
+    # rank 0 (blocked in a collective with the dead rank) is shut down instead of hanging
+    with pytest.raises(
+        TrainingAborted, match=r"policy rank 1 of 2 failed.*last usable checkpoint: .*global_step_2"
+    ):
+        asyncio.run(train_until_killed())
+    assert process_ends(pids[0], within_s=120)
+
+    # resume step 1's checkpoint (written by 2 ranks) in one process without Ray: step 2 comes out the same
+    # (the same reward function: it scores 0 and kills nothing before step 3)
+    single = load_config(
+        fit_args(model_dir, gsm8k_files, single_dir, steps=2, ranks=1)
+        + [
+            f"custom_reward_function.path={killer}",
+            "reward_model.mode=local",
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={ranks_dir / 'ckpt' / 'global_step_1'}",
+        ]
+    )
+    asyncio.run(_fit(single))
+    on_ranks, on_one = logged_steps(ranks_dir)[2], logged_steps(single_dir)[2]
+    for name in (
+        "actor/grad_norm",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/pg_loss",
+        "response_length/mean",
+    ):
+        assert on_one[name] == pytest.approx(on_ranks[name], rel=1e-4, abs=1e-6), name
+    assert "timing_s/update_weights" in on_ranks and on_ranks["perf/throughput"] > 0

@@ -1,0 +1,129 @@
+"""The distributed trainer's pure parts, in one process: dealing rows to ranks balanced by tokens,
+putting per-rank results back in order, packed (padding-free) forwards, sharded checkpoint files and the
+tensor-by-tensor weight stream. The Ray / FSDP tests are in test_distributed.py."""
+
+import pytest
+import torch
+
+from testing.tiny import make_tiny_model
+from trainer.batch import TrainBatch
+from trainer.distributed import SINGLE_PROCESS, Scatter, balanced_partition, shard_rows
+from trainer.fsdp import buckets, iter_full_state, load_full_model_state, load_sharded, save_sharded
+from trainer.model import backbone_and_head, load_policy
+from trainer.packing import pack, response_hidden_states, use_packed_attention
+from trainer.rollout.base import Rollout
+
+
+def test_balanced_partition_gives_equal_counts_and_even_tokens():
+    # sorted heaviest first: 10 -> g0, 10 -> g1, 5 -> g0 (15), 5 -> g1 (15), 1 -> g0 (16), 1 -> g1 (16)
+    weights = [10, 1, 1, 10, 5, 5]
+    groups = balanced_partition(weights, 2)
+    assert groups == [[0, 1, 4], [2, 3, 5]]
+    assert [sum(weights[i] for i in g) for g in groups] == [16, 16]
+    # a plain contiguous split would give 16 / 16 here by luck; this one would not: [9, 9, 1, 1] -> 18 / 2
+    assert [sum([9, 9, 1, 1][i] for i in g) for g in balanced_partition([9, 9, 1, 1], 2)] == [10, 10]
+    with pytest.raises(ValueError, match="do not split evenly over 4 ranks"):
+        balanced_partition(weights, 4)
+
+
+def test_shard_rows_splits_every_mini_batch_over_the_ranks():
+    weights = [1, 2, 3, 4, 50, 60, 70, 80, 5, 5]  # mini-batches of 4: [0..3], [4..7], then a short [8, 9]
+    shards = shard_rows(weights, 2, chunk=4)
+    # each rank holds 2 rows of mini-batch 0, then 2 of mini-batch 1, then 1 of the short last one
+    for rank_rows in shards:
+        assert [r // 4 for r in rank_rows] == [0, 0, 1, 1, 2]
+    assert sorted(shards[0] + shards[1]) == list(range(10))
+    assert sum(weights[i] for i in shards[0][2:4]) == sum(weights[i] for i in shards[1][2:4]) == 130
+    with pytest.raises(ValueError, match="mini-batch of 3 sequences does not split evenly over 2"):
+        shard_rows([1] * 7, 2, chunk=4)
+    # trainer.balance_batch=false: consecutive runs of each mini-batch
+    assert shard_rows(weights[:8], 2, chunk=4, balance=False) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_scatter_puts_rows_back_in_batch_order():
+    # heaviest first: 5 (row 0) -> rank 0, 4 (row 2) -> rank 1, 2 (row 3) -> rank 1, 1 (row 1) -> rank 0
+    plan = Scatter.plan([5, 1, 4, 2], 2)
+    assert plan.shards == ((0, 1), (2, 3))
+    per_rank = [torch.tensor([[float(r)] * 2 for r in rows]) for rows in plan.shards]
+    gathered = plan.gather_rows(per_rank, width=3)
+    assert gathered.tolist() == [[0, 0, 0], [1, 1, 0], [2, 2, 0], [3, 3, 0]]
+
+
+def _batch(seed: int, rows: int = 5) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(low, high):
+        length = int(torch.randint(low, high, (1,), generator=generator))
+        return torch.randint(4, 90, (length,), generator=generator).tolist()
+
+    rollouts = []
+    for index in range(rows):
+        response = ids(1, 7)
+        rollouts.append(
+            Rollout(ids(2, 9), response, [0.0] * len(response), [1] * len(response), "stop", index)
+        )
+    return TrainBatch.from_rollouts(rollouts, pad_id=0)
+
+
+def test_pack_lays_real_tokens_in_one_row_with_restarting_positions():
+    input_ids = torch.tensor([[0, 0, 7, 8, 9, 0], [0, 5, 6, 4, 0, 0]])
+    attention_mask = (input_ids != 0).long()
+    packed = pack(input_ids, attention_mask)
+    assert packed.input_ids.tolist() == [[7, 8, 9, 5, 6, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert packed.cu_seq_lens.tolist() == [0, 3, 6]
+    assert packed.max_length == 3
+    assert packed.index.tolist() == [[-1, -1, 0, 1, 2, -1], [-1, 3, 4, 5, -1, -1]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", hidden=32, layers=2, heads=4, kv_heads=2, seed=3
+    )
+
+
+def test_packed_forward_matches_the_padded_one(model_dir):
+    model = load_policy(str(model_dir))
+    backbone, _ = backbone_and_head(model)
+    batch = _batch(seed=0)
+    padded, mask = response_hidden_states(backbone, batch, remove_padding=False)
+    use_packed_attention(model)
+    packed, packed_mask = response_hidden_states(backbone, batch, remove_padding=True)
+    assert torch.equal(mask, packed_mask) and packed.shape == padded.shape
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    # negative control: the packed row without sequence boundaries lets later sequences attend to earlier ones
+    whole = backbone(input_ids=pack(batch.input_ids, batch.attention_mask).input_ids, use_cache=False)
+    assert not torch.allclose(whole.last_hidden_state[0, -3:], packed[-3:], atol=1e-3)
+
+
+def test_sharded_checkpoint_round_trip_in_one_process(model_dir, tmp_path):
+    model = load_policy(str(model_dir))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    optimizer.step()
+    save_sharded(tmp_path / "actor", model, optimizer)
+
+    fresh = load_policy(str(model_dir))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_sharded(tmp_path / "actor", fresh, fresh_optimizer)
+    for (name, expected), actual in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(expected, actual), name
+    first = next(iter(optimizer.state.values()))
+    assert torch.equal(first["exp_avg"], next(iter(fresh_optimizer.state.values()))["exp_avg"])
+    full = load_full_model_state(tmp_path / "actor")
+    assert set(full) == set(model.state_dict())  # tied names included, as the model's own state dict
+    assert torch.equal(full["model.norm.weight"], model.state_dict()["model.norm.weight"])
+
+
+def test_weight_stream_yields_every_tensor_once_gathered_in_buckets(model_dir):
+    model = load_policy(str(model_dir))
+    named = list(iter_full_state(model, torch.bfloat16))
+    assert [name for name, _ in named] == list(model.state_dict())
+    by_name = dict(named)
+    assert all(t.dtype == torch.bfloat16 for t in by_name.values())
+    assert by_name["lm_head.weight"] is by_name["model.embed_tokens.weight"]  # tied: gathered once
+    sizes = [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets(iter(named), 8192)]
+    largest = max(t.numel() * t.element_size() for _, t in named)
+    assert all(size <= max(8192, largest) for size in sizes) and len(sizes) > 1
+    assert SINGLE_PROCESS.sum_floats(1.5, 2.0) == [1.5, 2.0]

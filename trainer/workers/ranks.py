@@ -1,0 +1,293 @@
+"""What one rank of each role does in its own process: load its model, shard it, and serve the group.
+
+Each class wraps the single-process worker of its role (trainer/workers/actor.py, reference.py,
+critic.py) around an FSDP2-sharded model and adds what only a rank needs: moving its state off the GPU
+between calls, sharded checkpoints, and, for the policy, the colocated rollout engine and the weight
+sync into it. The group (trainer/workers/group.py) builds one per rank through `build_*`, which run
+inside the rank's process: models are loaded there from their path, never shipped from the driver.
+
+Weight sync (colocated): every policy rank holds a whole bf16 copy of the model for generation (the
+built-in engine). After an update, the ranks gather the policy's parameters tensor by tensor
+(`iter_full_state`, a collective) and hand them to their engine in buckets of ~256 MB through
+`RolloutEngine.load_weights`; the engine's KV cache is released while the policy trains and restored
+before the sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import load_role_state, save_role_state
+from trainer.distributed import DataParallel
+from trainer.fsdp import (
+    FSDPSettings,
+    Offloader,
+    buckets,
+    iter_full_state,
+    shard_model,
+)
+from trainer.model import load_critic, load_policy, load_reference, load_tokenizer
+from trainer.packing import use_packed_attention
+from trainer.rollout.base import Rollout, SamplingParams
+from trainer.workers.actor import Policy, PolicyLossSettings
+from trainer.workers.common import OptimizerSettings, UpdateSettings
+from trainer.workers.critic import Critic, ValueLossSettings
+from trainer.workers.group import PolicyProfile
+from trainer.workers.reference import Reference
+
+SYNC_BUCKET_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings:
+    """Where a role's model comes from and how each rank holds it."""
+
+    path: str
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    remove_padding: bool = False  # pack each micro-batch's sequences (trainer/packing.py)
+    fsdp: FSDPSettings = dataclasses.field(default_factory=FSDPSettings)
+
+
+def _sharded(loader: Callable, settings: ModelSettings, dp: DataParallel, device: torch.device, **extra):
+    model = loader(
+        settings.path,
+        device="cpu",
+        param_dtype=torch.float32,
+        trust_remote_code=settings.trust_remote_code,
+        **extra,
+    )
+    if settings.remove_padding:
+        use_packed_attention(model)
+    return shard_model(model, dp, settings.fsdp, device)
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """perf/max_memory_*_gb of this rank's GPU (GiB); nothing on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+        "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
+
+
+def per_rank(update: UpdateSettings, world_size: int) -> UpdateSettings:
+    """The group splits each global mini-batch over the ranks: a rank's mini-batch is 1/W of it."""
+    if update.mini_batch_size % world_size:
+        raise ValueError(
+            f"the mini-batch ({update.mini_batch_size} sequences) must split evenly over {world_size} ranks"
+        )
+    return dataclasses.replace(update, mini_batch_size=update.mini_batch_size // world_size)
+
+
+class _Checkpointed:
+    """Sharded save / load of a trainable role (model, AdamW, LR schedule) into a role directory."""
+
+    trained: Policy | Critic
+    offloader: Offloader
+    dp: DataParallel
+    hf_source: str
+
+    def save(self, directory: str) -> None:
+        tokenizer = load_tokenizer(self.hf_source) if self.dp.rank == 0 else None
+        with self.offloader.on_device():
+            save_role_state(
+                Path(directory),
+                self.trained.model,
+                self.trained.optimizer,
+                self.trained.scheduler,
+                tokenizer=tokenizer,
+                writer=self.dp.rank == 0,
+            )
+
+    def load(self, directory: str) -> None:
+        with self.offloader.on_device():
+            load_role_state(
+                Path(directory), self.trained.model, self.trained.optimizer, self.trained.scheduler
+            )
+
+
+# ------------------------------------------------------------------------------ policy
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """The colocated rollout engine each policy rank runs (the built-in engine on a bf16 copy)."""
+
+    max_batch_size: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyRankSettings:
+    model: ModelSettings
+    optim: OptimizerSettings
+    update: UpdateSettings  # GLOBAL sizes: the group splits every mini-batch over the ranks
+    loss: PolicyLossSettings
+    temperature: float = 1.0
+    log_prob_micro_batch_size: int | None = None
+    engine: EngineSettings | None = None  # None: no colocated engine (generation runs elsewhere)
+
+
+class PolicyRank(_Checkpointed):
+    def __init__(self, settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> None:
+        model = _sharded(
+            load_policy,
+            settings.model,
+            dp,
+            device,
+            gradient_checkpointing=settings.model.gradient_checkpointing,
+        )
+        self.dp, self.device, self.hf_source = dp, device, settings.model.path
+        self.trained = Policy(
+            model,
+            settings.optim,
+            per_rank(settings.update, dp.world_size),
+            settings.loss,
+            temperature=settings.temperature,
+            log_prob_micro_batch_size=settings.log_prob_micro_batch_size,
+            dp=dp,
+        )
+        self.offloader = Offloader(model, self.trained.optimizer, settings.model.fsdp, device)
+        self.engine = _colocated_engine(settings, device) if settings.engine is not None else None
+
+    def update(self, shard) -> dict[str, float]:
+        if self.engine is not None:
+            self.engine.release_memory()
+        with self.offloader.on_device():
+            return self.trained.update(shard) | peak_memory(self.device)
+
+    def profile(self) -> PolicyProfile:
+        return PolicyProfile.of(self.trained.model, self.trained.update_settings.ppo_epochs, in_process=False)
+
+    def compute_logprobs(self, shard, with_entropy: bool = False):
+        with self.offloader.on_device():
+            return self.trained.compute_logprobs(shard, with_entropy=with_entropy)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        return self.engine.generate(prompt_ids, sampling) if prompt_ids else []
+
+    def sync_weights(self) -> float:
+        """Copy the current policy into this rank's engine (a collective); returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.resume_memory()
+        dtype = next(self.engine.model.parameters()).dtype
+        with self.offloader.on_device():
+            for bucket in buckets(iter_full_state(self.trained.model, dtype), SYNC_BUCKET_BYTES):
+                self.engine.load_weights(bucket)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def _colocated_engine(settings: PolicyRankSettings, device: torch.device):
+    from trainer.rollout.hf_engine import HFRolloutEngine
+
+    class ColocatedHFEngine(HFRolloutEngine):
+        """The built-in engine on its own copy of the model, taking weights bucket by bucket."""
+
+        def load_weights(self, named) -> None:
+            copy_named_tensors(self.model, named)
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_reference(
+        settings.model.path,
+        device=device,
+        param_dtype=dtype,
+        trust_remote_code=settings.model.trust_remote_code,
+    )
+    tokenizer = load_tokenizer(settings.model.path, trust_remote_code=settings.model.trust_remote_code)
+    return ColocatedHFEngine(model, tokenizer, max_batch_size=settings.engine.max_batch_size)
+
+
+def copy_named_tensors(model: torch.nn.Module, named: Mapping[str, torch.Tensor]) -> None:
+    """Copy some of a model's tensors in place, by state-dict name (a partial load_state_dict)."""
+    state = model.state_dict(keep_vars=True)
+    unknown = sorted(set(named) - set(state))
+    if unknown:
+        raise KeyError(f"the engine's model has no tensors named {unknown[:5]}")
+    with torch.no_grad():
+        for name, tensor in named.items():
+            state[name].copy_(tensor)
+
+
+def build_policy(settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> PolicyRank:
+    return PolicyRank(settings, dp, device)
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceRankSettings:
+    model: ModelSettings
+    temperature: float = 1.0
+    micro_batch_size: int = 8
+
+
+class ReferenceRank:
+    def __init__(self, settings: ReferenceRankSettings, dp: DataParallel, device: torch.device) -> None:
+        model = _sharded(load_reference, settings.model, dp, device)
+        self.reference = Reference(
+            model, temperature=settings.temperature, micro_batch_size=settings.micro_batch_size
+        )
+        self.offloader = Offloader(model, None, settings.model.fsdp, device)
+
+    def compute_logprobs(self, shard):
+        with self.offloader.on_device():
+            return self.reference.compute_logprobs(shard)
+
+
+def build_reference(settings: ReferenceRankSettings, dp: DataParallel, device: torch.device) -> ReferenceRank:
+    return ReferenceRank(settings, dp, device)
+
+
+# ------------------------------------------------------------------------------ critic
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticRankSettings:
+    model: ModelSettings
+    optim: OptimizerSettings
+    update: UpdateSettings  # GLOBAL sizes
+    loss: ValueLossSettings
+    forward_micro_batch_size: int | None = None
+
+
+class CriticRank(_Checkpointed):
+    def __init__(self, settings: CriticRankSettings, dp: DataParallel, device: torch.device) -> None:
+        model = _sharded(
+            load_critic,
+            settings.model,
+            dp,
+            device,
+            gradient_checkpointing=settings.model.gradient_checkpointing,
+        )
+        self.dp, self.device, self.hf_source = dp, device, settings.model.path
+        self.trained = Critic(
+            model,
+            settings.optim,
+            per_rank(settings.update, dp.world_size),
+            settings.loss,
+            forward_micro_batch_size=settings.forward_micro_batch_size,
+            dp=dp,
+        )
+        self.offloader = Offloader(model, self.trained.optimizer, settings.model.fsdp, device)
+
+    def compute_values(self, shard):
+        with self.offloader.on_device():
+            return self.trained.compute_values(shard)
+
+    def update(self, shard) -> dict[str, float]:
+        with self.offloader.on_device():
+            return self.trained.update(shard) | peak_memory(self.device)
+
+
+def build_critic(settings: CriticRankSettings, dp: DataParallel, device: torch.device) -> CriticRank:
+    return CriticRank(settings, dp, device)
