@@ -8,8 +8,9 @@
 Services: data-server :8000, reward-server :8001, retrieval-server :8002 (only with an index:
 --retrieval-index DIR, or --retrieval-corpus FILE.jsonl to build one first). USE_RETRIEVAL, a flag
 (true/false, 1/0, yes/no) as in the SkyPilot job group, decides when set: false leaves the
-retrieval-server out even with an index, true requires one. Their output is printed
-line by line as `[data-server] ...` and kept in RUN_DIR/logs/.
+retrieval-server out even with an index, true requires one. With the retrieval-server in the group,
+`run` trains with search (the trainer gets actor_rollout_ref.rollout.multi_turn.enable=true). Their
+output is printed line by line as `[data-server] ...` and kept in RUN_DIR/logs/.
 
 No orphans: every child runs in its own process group, and teardown sends SIGTERM to each group, then
 SIGKILL to what is left after --grace seconds. Any failure — a service exiting, a health wait timing
@@ -301,11 +302,15 @@ def plan_services(opts: argparse.Namespace) -> list[ServiceSpec]:
 
 
 def trainer_argv(opts: argparse.Namespace, services: list[ServiceSpec]) -> tuple[str, ...]:
-    """The default trainer gets services.* keys first, so the user's own KEY=VALUE args win."""
+    """The default trainer gets services.* keys first, so the user's own KEY=VALUE args win. With the
+    retrieval-server in the group it trains with search (multi-turn tool calls), as USE_RETRIEVAL does
+    in the SkyPilot group; `actor_rollout_ref.rollout.multi_turn.enable=false` turns that off."""
     if opts.trainer_cmd:
         return (*shlex.split(opts.trainer_cmd), *opts.overrides)
-    urls = [f"{s.url_key}={s.url}" for s in services]
-    return (sys.executable, "-m", "trainer.main_ppo", *urls, *opts.overrides)
+    keys = [f"{s.url_key}={s.url}" for s in services]
+    if any(s.name == "retrieval-server" for s in services):
+        keys.append("actor_rollout_ref.rollout.multi_turn.enable=true")
+    return (sys.executable, "-m", "trainer.main_ppo", *keys, *opts.overrides)
 
 
 def child_env(services: list[ServiceSpec]) -> dict[str, str]:

@@ -4,6 +4,7 @@ One step, whatever the algorithm:
 
     prompts    <- data-server or local files (cursor saved with every checkpoint)
     rollouts   <- engine.generate(prompts, n)                hf / builtin in process, or SGLang servers
+                  [multi_turn] agent.generate: each trajectory searches the retrieval-server as it goes
     scores     <- reward-server (HTTP, batched, retried) or the same scorers in-process
     [DAPO]        group by prompt, drop the groups whose rewards do not vary, refill until full
     old/ref logprobs, critic values                         (old logprobs skipped when exactly on-policy
@@ -32,6 +33,7 @@ import torch
 
 from services.common.client import ServiceError
 from trainer import algos
+from trainer.agent.loop import AgentBatch
 from trainer.batch import TrainBatch
 from trainer.checkpoint import (
     LocalRole,
@@ -46,7 +48,7 @@ from trainer.checkpoint import (
 from trainer.config import Config
 from trainer.data import PromptRecord
 from trainer.rewards import Scores, reward_items, score_rollouts
-from trainer.rollout.base import Rollout
+from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.metrics import rollout_logprob_gap
 from trainer.run import AdvantageSettings, KLController, Run, build_run, close_run, seed_everything
 from trainer.tracking import (
@@ -188,7 +190,7 @@ class Collected:
 async def collect_batch(run: Run, timings: dict[str, float]) -> Collected:
     """Prompts -> rollouts -> scores, grouped by prompt; with DAPO dynamic sampling, keep only the groups
     whose rewards vary and generate again until the batch is full."""
-    plan, kept, rounds, errors = run.plan, [], 0, 0
+    plan, kept, rounds, errors, tool_batches = run.plan, [], 0, 0, []
     while len(kept) < plan.prompts:
         rounds += 1
         if plan.group_filter and 0 < plan.group_filter.max_rounds < rounds:
@@ -197,8 +199,9 @@ async def collect_batch(run: Run, timings: dict[str, float]) -> Collected:
                 f"in {plan.group_filter.max_rounds} generation rounds "
                 "(algorithm.filter_groups.max_num_gen_batches)"
             )
-        groups, round_errors = await generate_groups(run, plan.prompts_per_round, timings)
+        groups, round_errors, tools = await generate_groups(run, plan.prompts_per_round, timings)
         errors += round_errors
+        tool_batches += [tools] if tools is not None else []
         if plan.group_filter:
             groups = [g for g in groups if g.rewards_vary(plan.group_filter.metric)]
         kept += groups[: plan.prompts - len(kept)]
@@ -217,16 +220,19 @@ async def collect_batch(run: Run, timings: dict[str, float]) -> Collected:
         "reward/errors": float(errors),
         "train/epoch": float(run.source.epoch),
     }
+    if tool_batches:  # multi-turn: turns, tool calls and search errors of every trajectory generated
+        metrics |= AgentBatch.merged(tool_batches).metrics()
     return Collected(batch, scores, kept, metrics)
 
 
 async def generate_groups(
     run: Run, num_prompts: int, timings: dict[str, float]
-) -> tuple[list[PromptGroup], int]:
-    """One generation round: fetch prompts, sample n each, score; -> (groups, items the scorer failed)."""
+) -> tuple[list[PromptGroup], int, AgentBatch | None]:
+    """One generation round: fetch prompts, sample n each, score; -> (groups, items the scorer failed,
+    what the tools did when the rollouts were multi-turn)."""
     prompts = (await run.source.next_batch(num_prompts)).prompts
     with timer("gen", timings):
-        rollouts = run.engine.generate([p.prompt_ids for p in prompts], run.sampling)
+        rollouts, tools = await generate(run, [p.prompt_ids for p in prompts], run.sampling, timings)
     with timer("reward", timings):
         items = reward_items(prompts, rollouts, run.tokenizer)
         scores = await score_rollouts(run.scorer, items, run.reward_options)
@@ -239,7 +245,19 @@ async def generate_groups(
         group.responses.append(item["response"])
         group.scores.append(score)
         group.correct.append(right)
-    return groups, scores.errors
+    return groups, scores.errors, tools
+
+
+async def generate(
+    run: Run, prompt_ids: list[list[int]], sampling: SamplingParams, timings: dict[str, float]
+) -> tuple[list[Rollout], AgentBatch | None]:
+    """The engine's rollouts, or with multi_turn.enable the agent loop's, which search as they go
+    (timing_s/tool_calls: the wall time with a search in flight)."""
+    if run.agent is None:
+        return run.engine.generate(prompt_ids, sampling), None
+    tools = await run.agent.generate(prompt_ids, sampling)
+    timings["tool_calls"] = timings.get("tool_calls", 0.0) + tools.tool_seconds
+    return tools.rollouts, tools
 
 
 def dump_rollouts(folder: str, step: int, groups: list[PromptGroup]) -> None:
@@ -311,7 +329,8 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
         scores=scores.scores,
         advantages=batch.advantages,
         response_mask=batch.response_mask,
-        response_lengths=batch.response_lengths,
+        response_lengths=batch.response_mask.sum(dim=-1),  # the model's tokens: tool output is not counted
+        total_response_lengths=batch.response_lengths,
         prompt_lengths=batch.prompt_lengths,
         max_response_length=cfg.data.max_response_length,
         max_prompt_length=cfg.data.max_prompt_length,
@@ -354,7 +373,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
     async for batch in run.source.validation_batches(cfg.data.val_batch_size):
-        rollouts = run.engine.generate([p.prompt_ids for p in batch.prompts], run.val_sampling)
+        rollouts, _ = await generate(run, [p.prompt_ids for p in batch.prompts], run.val_sampling, {})
         items = reward_items(batch.prompts, rollouts, run.tokenizer)
         scored = await score_rollouts(run.scorer, items, run.reward_options)
         for rollout, item, score, right in zip(

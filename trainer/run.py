@@ -22,6 +22,8 @@ from transformers import PreTrainedTokenizerBase
 
 from services.reward_server.schemas import RewardOptions
 from trainer import algos
+from trainer.agent.build import build_agent, chat_template_tools, search_tool_spec
+from trainer.agent.loop import AgentLoop
 from trainer.algos import KLKind
 from trainer.config import Config
 from trainer.compiling import compile_model
@@ -108,6 +110,7 @@ class Run:
     # The ranks that train (throughput and MFU are per GPU): 1 in one process, else the group's size.
     world_size: int = 1
     groups: Groups | None = None  # the Ray role groups, to shut down at the end
+    agent: AgentLoop | None = None  # multi_turn.enable: rollouts that search while they generate
     tracker: Tracker | None = None
     last_saved_step: int = 0
 
@@ -132,8 +135,14 @@ async def build_run(cfg: Config) -> Run:
     tokenizer = load_tokenizer(
         cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
     )
+    multi_turn = arr.rollout.multi_turn
+    tool = search_tool_spec(multi_turn, cfg.services) if multi_turn.enable else None
+    data = cfg.data
+    if tool is not None:  # the hermes format shows the tool's schema to the model in the prompt
+        kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tool)}
+        data = data.model_copy(update={"apply_chat_template_kwargs": kwargs})
     source = await open_prompt_source(
-        cfg.data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template
+        data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template
     )
     steps = total_steps(
         source.train_size, cfg.data.train_batch_size, trainer.total_epochs, trainer.total_training_steps
@@ -148,12 +157,24 @@ async def build_run(cfg: Config) -> Run:
         custom_path=cfg.custom_reward_function.path,
         custom_name=cfg.custom_reward_function.name,
     )
+    workers = build_workers(cfg, device, precision, steps, tokenizer)
+    agent = None
+    if tool is not None:  # over the engine's async path (the rollout manager of builtin / sglang)
+        agent = await build_agent(
+            multi_turn,
+            cfg.services,
+            tool,
+            engine=workers["engine"],
+            tokenizer=tokenizer,
+            max_response_length=cfg.data.max_response_length,
+        )
     return Run(
         cfg=cfg,
         tokenizer=tokenizer,
         source=source,
         scorer=scorer,
-        **build_workers(cfg, device, precision, steps, tokenizer),
+        agent=agent,
+        **workers,
         kl_ctrl=kl_controller(cfg.algorithm.kl_ctrl),
         advantage=advantage_settings(cfg.algorithm),
         plan=batch_plan(cfg),
@@ -165,6 +186,8 @@ async def build_run(cfg: Config) -> Run:
 
 
 async def close_run(run: Run) -> None:
+    if run.agent is not None:
+        await run.agent.aclose()
     run.engine.close()
     if run.tracker is not None:
         run.tracker.close()

@@ -405,6 +405,7 @@ def compute_data_metrics(
     token_rewards: torch.Tensor | None = None,
     returns: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    total_response_lengths: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """verl's batch statistics.
 
@@ -414,6 +415,8 @@ def compute_data_metrics(
     returns None -> advantages (verl's outcome estimators store returns = advantages).
     response_lengths / prompt_lengths [B]: real (unpadded) token counts; clip_ratio = fraction of
     sequences that hit max_response_length / max_prompt_length (i.e. were truncated).
+    total_response_lengths [B]: in multi-turn rollouts, the response with its tool output, for the clip
+    ratio (response_lengths then counts the model's own tokens, the loss mask); None: response_lengths.
     """
     scores = torch.as_tensor(scores).float()
     mask = torch.as_tensor(response_mask).bool()
@@ -436,7 +439,10 @@ def compute_data_metrics(
             1.0 - torch.var(returns_float - valid_values) / (torch.var(returns_float) + 1e-5)
         ).item()
     metrics.update(_stats("response_length", response_lengths))
-    metrics["response_length/clip_ratio"] = (response_lengths == max_response_length).float().mean().item()
+    full_lengths = (
+        response_lengths if total_response_lengths is None else torch.as_tensor(total_response_lengths)
+    )
+    metrics["response_length/clip_ratio"] = (full_lengths >= max_response_length).float().mean().item()
     metrics.update(_stats("prompt_length", prompt_lengths))
     metrics["prompt_length/clip_ratio"] = (prompt_lengths == max_prompt_length).float().mean().item()
     return metrics

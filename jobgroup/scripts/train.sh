@@ -14,8 +14,10 @@
 #   PROJECT_NAME or WANDB_PROJECT_NAME=rl-jobgroup  EXPERIMENT_NAME or WANDB_EXPERIMENT_NAME=grpo-$DATASET
 #   CHECKPOINT_DIR=checkpoints (checkpoints go to $CHECKPOINT_DIR/$PROJECT_NAME/$EXPERIMENT_NAME and
 #     resume from there: trainer.resume_mode=auto)
-#   USE_RETRIEVAL=false (a flag: true/false, 1/0, yes/no): true turns on the multi-turn search tool
-#     (jobgroup/tools/search_tool_config.yaml, RETRIEVAL_TOPK passages per query) against RETRIEVAL_SERVER_URL
+#   USE_RETRIEVAL=false (a flag: true/false, 1/0, yes/no): true trains with the multi-turn search tool
+#     (jobgroup/tools/search_tool_config.yaml, RETRIEVAL_TOPK passages per query) against RETRIEVAL_SERVER_URL,
+#     TOOL_FORMAT=search_r1 (Search-R1's tags; hermes: <tool_call> JSON) and MAX_ASSISTANT_TURNS=4
+#   VAL_BEFORE_TRAIN=true (a flag): validate once before the first step
 #   NNODES / GPUS_PER_NODE (default from SKYPILOT_NUM_NODES / SKYPILOT_NUM_GPUS_PER_NODE, else 1)
 #   DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL: the services (comma-separated replicas)
 #   WANDB_API_KEY: when set, metrics also go to Weights & Biases
@@ -72,6 +74,10 @@ use_retrieval=0
 flag USE_RETRIEVAL && use_retrieval=1
 dry_run=0
 flag DRY_RUN && dry_run=1
+val_before_train=True
+if [ -n "${VAL_BEFORE_TRAIN:-}" ] && ! flag VAL_BEFORE_TRAIN; then val_before_train=False; fi
+TOOL_FORMAT=${TOOL_FORMAT:-search_r1}
+MAX_ASSISTANT_TURNS=${MAX_ASSISTANT_TURNS:-4}
 
 logger="['console']"
 [ -n "${WANDB_API_KEY:-}" ] && logger="['console','wandb']"
@@ -101,6 +107,7 @@ args=(
   "trainer.total_epochs=$TOTAL_EPOCHS"
   "trainer.save_freq=$SAVE_FREQ"
   "trainer.test_freq=$TEST_FREQ"
+  "trainer.val_before_train=$val_before_train"
   "trainer.default_local_dir=$CHECKPOINT_DIR/$PROJECT_NAME/$EXPERIMENT_NAME"
   trainer.resume_mode=auto
 )
@@ -115,12 +122,14 @@ if [ $use_retrieval = 1 ]; then
     echo "error: USE_RETRIEVAL is on but RETRIEVAL_SERVER_URL is not set" >&2
     exit 2
   fi
-  # The search tool's endpoint and config (it reads RETRIEVAL_SERVER_URL and RETRIEVAL_TOPK itself).
-  # Multi-turn tool rollouts are not built yet: the trainer refuses multi_turn.enable until they are.
+  # The search tool's endpoint and config (it reads RETRIEVAL_SERVER_URL and RETRIEVAL_TOPK itself);
+  # the rollouts are multi-turn: each trajectory searches as it generates (trainer/agent/).
   args+=(
     "services.retrieval_url='$RETRIEVAL_SERVER_URL'"
     actor_rollout_ref.rollout.multi_turn.enable=True
     actor_rollout_ref.rollout.multi_turn.tool_config_path=jobgroup/tools/search_tool_config.yaml
+    "actor_rollout_ref.rollout.multi_turn.format=$TOOL_FORMAT"
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=$MAX_ASSISTANT_TURNS"
   )
 fi
 

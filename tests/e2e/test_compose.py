@@ -160,7 +160,7 @@ def test_trainer_command_with_compose_environment_gives_a_config_the_trainer_acc
     argv = train_sh_argv(env)
     keys = dict(a.split("=", 1) for a in argv[3:])
     assert keys["services.data_url"] == "'http://data-server:8000'"  # quoted: Hydra reads a,b as a sweep
-    assert "services.retrieval_url" not in keys  # USE_RETRIEVAL defaults to false (no multi-turn yet)
+    assert "services.retrieval_url" not in keys  # USE_RETRIEVAL defaults to false (the math dataset)
     assert keys["trainer.default_local_dir"].startswith("/checkpoints/")
     assert keys["trainer.logger"] == "['console']"  # WANDB_API_KEY empty by default
     trainer_dry_run(argv[3:])

@@ -326,8 +326,13 @@ def test_train_sh_maps_the_trainer_envs_to_trainer_keys():
     assert keys["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] == "16"
     assert keys["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] == "16"
     assert keys["actor_rollout_ref.rollout.multi_turn.enable"] == "True"  # USE_RETRIEVAL: the search tool
+    assert keys["actor_rollout_ref.rollout.multi_turn.format"] == "search_r1"
     assert keys["algorithm.adv_estimator"] == "grpo"
-    assert keys["data.source"] == "server" and keys["data.dataset"] == "gsm8k"
+    # Search-R1's QA set, which the group's data-server serves under that name
+    assert keys["data.source"] == "server" and keys["data.dataset"] == "nq_hotpotqa"
+    data_server = tasks_by_name(load("verl-grpo.yaml"))["data-server"]
+    assert "nq_hotpotqa=hub:PeterJinGo/nq_hotpotqa_train" in data_server.envs["DATASETS"].split()
+    assert keys["trainer.val_before_train"] == "False" and keys["trainer.test_freq"] == "-1"
     assert keys["actor_rollout_ref.model.path"] == trainer.envs["MODEL_NAME"]
     assert keys["trainer.total_training_steps"] == "7"  # the --env override
     assert keys["data.train_batch_size"] == str(trainer.envs["TRAIN_BATCH_SIZE"])
@@ -403,7 +408,8 @@ def test_skypilot_example_env_names_reach_the_trainer():
     trainer = tasks_by_name(
         load("verl-grpo.yaml", env={"WANDB_PROJECT_NAME": "cli", "VAL_BATCH_SIZE": "32"})
     )[TRAINER]
-    keys = dict(a.split("=", 1) for a in train_sh_argv(trainer.envs)[3:])
+    urls = {"RETRIEVAL_SERVER_URL": "http://r:8002"}  # the group's run exports it (USE_RETRIEVAL is on)
+    keys = dict(a.split("=", 1) for a in train_sh_argv({**trainer.envs, **urls})[3:])
     assert keys["trainer.project_name"] == "cli" and keys["data.val_batch_size"] == "32"
 
 
@@ -485,9 +491,12 @@ def test_trainer_accepts_the_keys_train_sh_passes(name):
     argv = train_sh_argv(envs)
     assert argv[:3] == ["python", "-m", "trainer.main_ppo"]
     trainer_dry_run(argv[3:])
-    if name == "verl-grpo.yaml":  # the search tool: every key accepted, multi-turn itself not built yet
-        on = train_sh_argv({**envs, "USE_RETRIEVAL": "true"})
-        trainer_dry_run(on[3:], only_refused="actor_rollout_ref.rollout.multi_turn.enable: not supported")
+    if name == "verl-grpo.yaml":  # the group's own setting: multi-turn with the search tool
+        assert str(trainer.envs["USE_RETRIEVAL"]) == "true"
+        assert "actor_rollout_ref.rollout.multi_turn.enable=True" in argv
+        off = train_sh_argv({**envs, "USE_RETRIEVAL": "false", "DATASET": "gsm8k"})
+        assert not any("multi_turn" in arg for arg in off)
+        trainer_dry_run(off[3:])
 
 
 def multinode_trainer_argv(task, home: Path) -> list[str]:

@@ -79,13 +79,12 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             quantization_config_file mtp
             """,
         ),
-        # multi-turn details (multi_turn.enable itself is a key: it is refused until tool calls land)
+        # multi-turn: user simulators and verl's re-tokenisation checks (the agent loop never re-tokenises)
         *_under(
             "actor_rollout_ref.rollout.multi_turn",
             """
-            max_assistant_turns max_user_turns max_turns tool_config_path interaction_config_path
-            max_parallel_calls max_tool_response_length tool_response_truncate_side
-            use_inference_chat_template tokenization_sanity_check_mode format num_repeat_rollouts
+            max_turns interaction_config_path use_inference_chat_template tokenization_sanity_check_mode
+            num_repeat_rollouts
             """,
         ),
         "actor_rollout_ref.hybrid_engine",

@@ -23,6 +23,7 @@ def problems(config: Config) -> list[str]:
         *batch_size_problems(config),
         *path_problems(config),
         *algorithm_problems(config),
+        *multi_turn_problems(config),
     ]
     return [p for p in found if p]
 
@@ -42,7 +43,12 @@ def ray_problems(config: Config) -> list[str]:
 def notices(config: Config) -> list[str]:
     lines = []
     rollout = config.actor_rollout_ref.rollout
-    if rollout.name == "vllm":
+    if rollout.multi_turn.enable and rollout.name not in (rollout.engine, "auto"):
+        lines.append(
+            f"rollout: multi-turn tool calls run on the {rollout.engine} engine (the rollout manager's async "
+            f"path), not on actor_rollout_ref.rollout.name={rollout.name}"
+        )
+    elif rollout.name == "vllm":
         lines.append(
             f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
             f"engine ({rollout.engine}: {ENGINE_KINDS[rollout.engine]}) generates instead"
@@ -57,6 +63,7 @@ def notices(config: Config) -> list[str]:
         )
     if config.no_effect_keys:
         lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
+    lines += tool_config_notices(config)
     return lines
 
 
@@ -245,7 +252,6 @@ def algorithm_problems(config: Config) -> list[str]:
     unsupported = {
         "actor_rollout_ref.model.lora_rank": arr.model.lora_rank != 0,
         "critic.model.lora_rank": config.critic.model.lora_rank != 0,
-        "actor_rollout_ref.rollout.multi_turn.enable": arr.rollout.multi_turn.enable,
         "data.custom_cls.path": data.custom_cls.path is not None,
     }
     found += [
@@ -254,3 +260,48 @@ def algorithm_problems(config: Config) -> list[str]:
         if bad
     ]
     return found
+
+
+# ---------------------------------------------------------------------------------------- multi-turn
+
+
+def tool_config_notices(config: Config) -> list[str]:
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.tool_config_path):
+        return []
+    from trainer.agent.tools import load_tool_config
+
+    try:
+        spec = load_tool_config(multi_turn.tool_config_path)
+    except ValueError:
+        return []  # a problem, reported by multi_turn_problems
+    if not spec.no_effect:
+        return []
+    keys = ", ".join(spec.no_effect)
+    return [f"accepted, no effect here: {keys} of {multi_turn.tool_config_path} (the loop batches queries)"]
+
+
+def multi_turn_problems(config: Config) -> list[str]:
+    """The search tool must be reachable by name: a readable tool config, or a retrieval-server URL."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return []
+    key = "actor_rollout_ref.rollout.multi_turn"
+    if config.uses_ray:
+        return [
+            f"{key}.enable: multi-turn rollouts run in one-process runs for now (the Ray ranks' colocated "
+            "engine has no async path); use one GPU, or trainer.use_ray=false"
+        ]
+    if multi_turn.tool_config_path:
+        from trainer.agent.tools import load_tool_config  # torch-free
+
+        try:
+            load_tool_config(multi_turn.tool_config_path)
+        except ValueError as exc:
+            return [f"{key}.tool_config_path: {exc}"]
+        return []
+    if not config.services.retrieval_url:
+        return [
+            f"{key}.enable needs {key}.tool_config_path or services.retrieval_url (env RETRIEVAL_SERVER_URL)"
+        ]
+    return []

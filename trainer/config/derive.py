@@ -54,6 +54,8 @@ def fill_derived(config: Config) -> None:
     rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
     rollout.response_length = rollout.response_length or data.max_response_length
     rollout.engine = engine_used(rollout.name, config.trainer.device)
+    if rollout.multi_turn.enable and rollout.engine == "hf":
+        rollout.engine = "builtin"  # the agent loop needs the rollout manager's async, batching path
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
     actor.loss_scale_factor = actor.loss_scale_factor or data.max_response_length
@@ -114,6 +116,7 @@ def _expand_home(config: Config) -> None:
     data.val_files = [expand(f) for f in data.val_files] if data.val_files else data.val_files
     data.tokenizer = expand(data.tokenizer)
     arr.model.path = expand(arr.model.path)
+    arr.rollout.multi_turn.tool_config_path = expand(arr.rollout.multi_turn.tool_config_path)
     config.critic.model.path = expand(config.critic.model.path)
     config.custom_reward_function.path = expand(config.custom_reward_function.path)
     trainer.resume_from_path = expand(trainer.resume_from_path)

@@ -124,7 +124,7 @@ class ServicesConfig(Section):
     )
     retrieval_url: list[str] = Field(
         default_factory=_env_urls("RETRIEVAL_SERVER_URL", "http://127.0.0.1:8002"),
-        description="retrieval-server URL(s), for the multi-turn search tool (not built yet).",
+        description="retrieval-server URL(s) of the multi-turn search tool (when no tool config names one).",
         json_schema_extra={"env": "RETRIEVAL_SERVER_URL", "fallback": "http://127.0.0.1:8002"},
     )
     auth_token: str | None = Field(None, description="Bearer token sent to every service (never printed).")

@@ -250,7 +250,33 @@ class ValKwargs(Section):
 
 class MultiTurnConfig(Section):
     enable: bool = Field(
-        False, description="Multi-turn tool-calling rollouts. Not supported yet: must stay false."
+        False,
+        description="Multi-turn rollouts that call the search tool (the retrieval-server) while they "
+        "generate; the built-in engine generates them (trainer/agent/).",
+    )
+    format: Literal["hermes", "search_r1"] = Field(
+        "hermes",
+        description="Tool-call format. hermes: <tool_call> JSON rendered by the chat template (verl's "
+        "SearchTool schema); search_r1: Search-R1's <search> / <information> / <answer> tags.",
+    )
+    tool_config_path: str | None = Field(
+        None,
+        description="verl tool config YAML naming the search tool (URL, topk, timeout, schema). null: "
+        "services.retrieval_url, topk 3, the SearchTool schema.",
+    )
+    max_assistant_turns: int | None = Field(
+        None, ge=1, description="Model turns per trajectory. null: only the response length limits them."
+    )
+    max_user_turns: int | None = Field(
+        None, ge=1, description="Tool turns per trajectory. null: only the response length limits them."
+    )
+    max_parallel_calls: int = Field(1, ge=1, description="Tool calls run per model turn (more are ignored).")
+    max_tool_response_length: int = Field(
+        256, ge=1, description="Tokens of one tool response kept (verl counts characters)."
+    )
+    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
+        "middle",
+        description="What truncation keeps, as verl: left the start, right the end, middle both ends.",
     )
 
 
@@ -303,7 +329,7 @@ class RolloutConfig(Section):
     )
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling used for validation.")
     multi_turn: MultiTurnConfig = Field(
-        default_factory=MultiTurnConfig, description="Multi-turn rollouts (unsupported)."
+        default_factory=MultiTurnConfig, description="Multi-turn rollouts with the search tool."
     )
 
 
