@@ -242,12 +242,14 @@ def build_engine(cfg: Config, policy_model, tokenizer, precision: Precision) -> 
     """The one-process engine (rollout.engine), or the rollout servers' manager of a Ray run.
 
     The built-in engine shares the policy's GPU: its KV cache exists only while it generates
-    (trainer/workers/engines.py), sized from rollout.gpu_memory_utilization.
+    (trainer/workers/engines.py), sized from rollout.gpu_memory_utilization. Multi-turn runs take it
+    behind the rollout manager instead: the agent loop's many one-context turns need its async,
+    continuously batching path.
     """
     rollout = cfg.actor_rollout_ref.rollout
     context_length = rollout.prompt_length + rollout.response_length
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if rollout.engine == "builtin":
+    if rollout.engine == "builtin" and not rollout.multi_turn.enable:
         device = next(policy_model.parameters()).device
         return builtin_engine(
             policy_model,

@@ -240,6 +240,7 @@ def test_config_turns_multi_turn_on_with_the_built_in_engine():
     tool_config = ROOT / "jobgroup" / "tools" / "search_tool_config.yaml"
     cfg = load_config(
         [
+            "actor_rollout_ref.rollout.name=hf",
             "actor_rollout_ref.rollout.multi_turn.enable=true",
             "actor_rollout_ref.rollout.multi_turn.format=search_r1",
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
