@@ -85,7 +85,9 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: d
     """Causal attention within each packed sequence. query [N, H, D], key/value [N, H_kv, D] -> [N, H, D]."""
     if query.is_cuda:
         kernel = _cuda_varlen_kernel()
-        if kernel is not None:
+        dtype = flash_dtype(query, key, value, cuda_autocast_dtype())
+        if kernel is not None and dtype is not None:
+            query, key, value = (t.to(dtype) for t in (query, key, value))
             try:
                 return kernel(query, key, value, packed["cu_seq_lens_q"], packed["max_length_q"], scale)
             except (RuntimeError, TypeError, ValueError) as exc:  # an older or newer torch's signature
@@ -96,6 +98,25 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: d
 
 
 _DISABLED: set[str] = set()
+HALF = (torch.float16, torch.bfloat16)
+
+
+def flash_dtype(query: Tensor, key: Tensor, value: Tensor, autocast_dtype: torch.dtype | None):
+    """The half dtype flash attention should run in, or None (then: exact attention per sequence).
+
+    Under autocast the projections come out in half precision but the rotary embedding multiplies q and
+    k by fp32 cos/sin, so they arrive in fp32 next to a half v. Flash attention takes half only, and
+    autocast would run SDPA (the padded path) in its half dtype too: cast all three to it. A run in
+    full precision without autocast keeps fp32 attention.
+    """
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) == 1 and dtypes <= set(HALF):
+        return query.dtype
+    return autocast_dtype if autocast_dtype in HALF else None
+
+
+def cuda_autocast_dtype() -> torch.dtype | None:
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
 
 
 def _attention_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seq_lens: Tensor, scale: float):
