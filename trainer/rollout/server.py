@@ -15,7 +15,7 @@ import sys
 from typing import Literal
 
 import orjson
-from fastapi import Body, FastAPI, Request
+from fastapi import APIRouter, Body, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -90,70 +90,82 @@ def create_app(settings: RolloutServerSettings) -> FastAPI:
     app = create_service_app(
         "rollout-server", settings, load, close, description="The built-in engine behind SGLang's native API."
     )
-
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request, body: GenerateRequest) -> Response:
-        replica = require_ready(request).replica
-        outputs = await _answer(replica.generate(body))
-        return Response(
-            orjson.dumps(outputs[0] if body.is_single and len(outputs) == 1 else outputs),
-            media_type="application/json",
-        )
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(
-        request: Request, body: UpdateWeightsFromDiskRequest
-    ) -> UpdateWeightsResponse:
-        replica = require_ready(request).replica
-        await _answer(
-            replica.update_weights_from_disk(
-                body.model_path, load_format=body.load_format, weight_version=body.weight_version
-            )
-        )
-        return UpdateWeightsResponse(success=True, message="Succeeded to update model weights.")
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(
-        request: Request, body: UpdateWeightsFromTensorRequest
-    ) -> UpdateWeightsResponse:
-        replica = require_ready(request).replica
-        await _answer(
-            replica.update_weights_from_serialized(
-                body.serialized_named_tensors,
-                load_format=body.load_format,
-                weight_version=body.weight_version,
-            )
-        )
-        return UpdateWeightsResponse(success=True, message="Succeeded to update model weights.")
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(request: Request) -> PlainTextResponse:
-        await require_ready(request).replica.flush_cache()
-        return PlainTextResponse("Cache flushed.\n")
-
-    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation(
-        request: Request, body: MemoryOccupationRequest | None = Body(None)
-    ) -> None:
-        await _answer(require_ready(request).replica.release_memory_occupation(body.tags if body else None))
-
-    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation(
-        request: Request, body: MemoryOccupationRequest | None = Body(None)
-    ) -> None:
-        await _answer(require_ready(request).replica.resume_memory_occupation(body.tags if body else None))
-
-    @app.get("/get_model_info")
-    @app.get("/model_info")
-    async def model_info(request: Request) -> dict:
-        return require_ready(request).replica.model_info()
-
-    @app.get("/get_server_info")
-    @app.get("/server_info")
-    async def server_info(request: Request) -> dict:
-        return require_ready(request).replica.server_info()
-
+    app.include_router(router)
     return app
+
+
+# SGLang's native routes; each answers 503 until the replica has loaded.
+router = APIRouter()
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request, body: GenerateRequest) -> Response:
+    replica = require_ready(request).replica
+    outputs = await _answer(replica.generate(body))
+    return Response(
+        orjson.dumps(outputs[0] if body.is_single and len(outputs) == 1 else outputs),
+        media_type="application/json",
+    )
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(
+    request: Request, body: UpdateWeightsFromDiskRequest
+) -> UpdateWeightsResponse:
+    replica = require_ready(request).replica
+    await _answer(
+        replica.update_weights_from_disk(
+            body.model_path, load_format=body.load_format, weight_version=body.weight_version
+        )
+    )
+    return UpdateWeightsResponse(success=True, message="Succeeded to update model weights.")
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(
+    request: Request, body: UpdateWeightsFromTensorRequest
+) -> UpdateWeightsResponse:
+    replica = require_ready(request).replica
+    await _answer(
+        replica.update_weights_from_serialized(
+            body.serialized_named_tensors,
+            load_format=body.load_format,
+            weight_version=body.weight_version,
+        )
+    )
+    return UpdateWeightsResponse(success=True, message="Succeeded to update model weights.")
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> PlainTextResponse:
+    await require_ready(request).replica.flush_cache()
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(
+    request: Request, body: MemoryOccupationRequest | None = Body(None)
+) -> None:
+    await _answer(require_ready(request).replica.release_memory_occupation(body.tags if body else None))
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(
+    request: Request, body: MemoryOccupationRequest | None = Body(None)
+) -> None:
+    await _answer(require_ready(request).replica.resume_memory_occupation(body.tags if body else None))
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> dict:
+    return require_ready(request).replica.model_info()
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request) -> dict:
+    return require_ready(request).replica.server_info()
 
 
 async def _answer(awaitable):

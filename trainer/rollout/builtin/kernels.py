@@ -86,28 +86,14 @@ if triton is not None:
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         return new_best, total, acc
 
+    # The kernel's long argument lists, a few to a line:
+    # fmt: off
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        out_ptr,
-        part_acc_ptr,
-        part_stat_ptr,
-        slots_ptr,
-        lengths_ptr,
-        sm_scale,
-        stride_ks,
-        stride_kh,
-        stride_kt,
-        HQ: tl.constexpr,
-        GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        DIM: tl.constexpr,
-        SPLITS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
-        CONTEXT: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stat_ptr, slots_ptr, lengths_ptr,
+        sm_scale, stride_ks, stride_kh, stride_kt,
+        HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+        SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, CONTEXT: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -132,43 +118,38 @@ if triton is not None:
         # Triton's CPU interpreter cannot loop to a bound loaded from memory: there, walk the whole
         # context (masked to [lo, hi)); compiled, visit [lo, hi) only.
         if INTERPRET:
-            for start in range(0, CONTEXT, BLOCK_N):
-                best, total, acc = _attend_block(
-                    q,
-                    k_ptr,
-                    v_ptr,
-                    base,
-                    start,
-                    lo,
-                    hi,
-                    stride_kt,
-                    sm_scale,
-                    best,
-                    total,
-                    acc,
-                    DIM,
-                    BLOCK_N,
-                    IEEE,
-                )
+            first, last = 0, CONTEXT
         else:
-            for start in range(lo, hi, BLOCK_N):
-                best, total, acc = _attend_block(
-                    q,
-                    k_ptr,
-                    v_ptr,
-                    base,
-                    start,
-                    lo,
-                    hi,
-                    stride_kt,
-                    sm_scale,
-                    best,
-                    total,
-                    acc,
-                    DIM,
-                    BLOCK_N,
-                    IEEE,
-                )
+            first, last = lo, hi
+        for start in range(first, last, BLOCK_N):
+            best, total, acc = _attend_block(
+                q, k_ptr, v_ptr, base, start, lo, hi, stride_kt, sm_scale, best, total, acc,
+                DIM, BLOCK_N, IEEE,
+            )
+        _store_attention(
+            out_ptr, part_acc_ptr, part_stat_ptr, row, heads, head_ok, split, best, total, acc,
+            HQ, DIM, SPLITS,
+        )
+    # fmt: on
+
+    @triton.jit
+    def _store_attention(
+        out_ptr,
+        part_acc_ptr,
+        part_stat_ptr,
+        row,
+        heads,
+        head_ok,
+        split,
+        best,
+        total,
+        acc,
+        HQ: tl.constexpr,
+        DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        """One split's result: the output itself, or its partials for the merge kernel."""
+        dims = tl.arange(0, DIM)
         if SPLITS == 1:
             out = acc / total[:, None]
             target = out_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :]
@@ -209,6 +190,27 @@ if triton is not None:
         out = acc / tl.where(ok, total, 1.0)[:, None]
         target = out_ptr + (row * HQ + heads[:, None]) * DIM + dims[None, :]
         tl.store(target, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+    @triton.jit
+    def _inverse_cdf(
+        base, seed, kept_mass, floor, inv_t, top, fallback, vocab: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """Pass 2 of sampling: the first kept entry whose cumulative mass exceeds u * (total kept mass)."""
+        draws = tl.rand(seed, tl.arange(0, 2))
+        target = tl.sum(tl.where(tl.arange(0, 2) == 0, draws, 0.0), 0) * kept_mass
+        running = target * 0.0
+        sampled = fallback
+        for start in range(0, vocab, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            raw = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+            mass = tl.where(raw >= floor, tl.exp(raw * inv_t - top), 0.0)
+            block_mass = tl.sum(mass, 0)
+            cumulative = running + tl.cumsum(mass, 0)
+            candidate = tl.min(tl.where((cumulative > target) & (mass > 0), idx, vocab), 0)
+            crossing = (running <= target) & (running + block_mass > target)
+            sampled = tl.where(crossing, candidate, sampled)
+            running = running + block_mass
+        return sampled
 
     @triton.jit
     def _sample_kernel(
@@ -258,21 +260,10 @@ if triton is not None:
         lse = top + tl.log(tl.sum(lane_all * weight, 0))
         token = tl.min(tl.where(lane_max == top, lane_best, vocab), 0)
         if not ALL_GREEDY:
-            # pass 2: the first kept entry whose cumulative mass exceeds u * (total kept mass)
-            draws = tl.rand(tl.load(seed_ptr + row), tl.arange(0, 2))
-            target = tl.sum(tl.where(tl.arange(0, 2) == 0, draws, 0.0), 0) * tl.sum(lane_kept * weight, 0)
-            running = target * 0.0
-            sampled = token
-            for start in range(0, vocab, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                raw = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                mass = tl.where(raw >= floor, tl.exp(raw * inv_t - top), 0.0)
-                block_mass = tl.sum(mass, 0)
-                cumulative = running + tl.cumsum(mass, 0)
-                candidate = tl.min(tl.where((cumulative > target) & (mass > 0), idx, vocab), 0)
-                crossing = (running <= target) & (running + block_mass > target)
-                sampled = tl.where(crossing, candidate, sampled)
-                running = running + block_mass
+            mass = tl.sum(lane_kept * weight, 0)
+            sampled = _inverse_cdf(
+                base, tl.load(seed_ptr + row), mass, floor, inv_t, top, token, vocab, BLOCK
+            )
             token = tl.where(greedy, token, sampled)
         chosen = tl.load(base + token).to(tl.float32) * inv_t
         tl.store(token_ptr + row, token.to(tl.int64))
