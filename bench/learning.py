@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -514,6 +515,7 @@ def train_trl(ctx: argparse.Namespace, s: Shared) -> dict:
             self.pending = marks(ctx.budget_s, ctx.points)
             self.points: list[Point] = []
             self.steps: list[dict] = []
+            self.diverged_at: int | None = None
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begun = time.monotonic()
@@ -535,6 +537,11 @@ def train_trl(ctx: argparse.Namespace, s: Shared) -> dict:
             if logs and "reward" in logs:
                 row = {"step": state.global_step, "clock_s": self.clock, "reward": logs["reward"]}
                 self.steps.append(row)
+            # A NaN gradient norm leaves NaN weights: the next generation would crash on a device-side
+            # assert and take the arm's evaluation with it. The curve ends at the last saved point.
+            if logs and not math.isfinite(float(logs.get("grad_norm", 0.0) or 0.0)):
+                self.diverged_at = state.global_step
+                control.should_training_stop = True
 
     clock = StepClock()
     trainer = GRPOTrainer(
@@ -547,7 +554,7 @@ def train_trl(ctx: argparse.Namespace, s: Shared) -> dict:
     )
     trainer.train()
     del trainer
-    return {"points": clock.points, "steps": clock.steps}
+    return {"points": clock.points, "steps": clock.steps, "diverged_at_step": clock.diverged_at}
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -570,6 +577,7 @@ def run_arm(ctx: argparse.Namespace, arm: str, s: Shared) -> None:
         "settings": asdict(s),
         "points": [asdict(p) for p in points],
         "steps": trained["steps"],
+        "diverged_at_step": trained.get("diverged_at_step"),
         "train_wall_s": train_wall,
         "device": device_name(ctx.device),
     }
@@ -636,6 +644,7 @@ def report(out: Path) -> dict:
             "final_accuracy": final["accuracy"] if final else None,
             "gain_points": 100 * (final["accuracy"] - base["accuracy"]) if final else None,
             "steps_logged": len(result["steps"]),
+            "diverged_at_step": result.get("diverged_at_step"),
             "train_wall_s": result["train_wall_s"],
         }
     ours, trl = summary["ours"]["final_accuracy"], summary["trl"]["final_accuracy"]
