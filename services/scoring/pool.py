@@ -23,9 +23,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import ctypes
 import logging
 import multiprocessing
+import multiprocessing.forkserver
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ from typing import Any
 log = logging.getLogger("services.scoring.pool")
 
 START_TIMEOUT_S = 60.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ABANDON_POLL_S = 0.05  # how often a driver thread looks up from a running task to see if it was abandoned
 
 
@@ -60,8 +65,35 @@ class Task:
         self.future.cancel()
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when its parent, the forkserver, exits, so a worker
+    stuck in a runaway computation (where it never reads its closed pipe) does not outlive a server
+    that was killed outright.
+
+    The forkserver exits once every holder of its "alive" pipe has gone, and it hands a copy to each
+    process it forks: a worker that kept it would keep the forkserver, and so itself, alive. Workers
+    never fork, so they close it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
 def _serve(conn, fn: Callable, memory_limit_bytes: int) -> None:
     """Worker process: answer (args) with (True, fn(*args)) or (False, "why") until the pipe closes."""
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if memory_limit_bytes > 0:
         import resource

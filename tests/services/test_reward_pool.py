@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from services.scoring.pool import FairQueue, KillablePool, Task
+from tests.helpers import ROOT
 
 
 def task(kind: str, arg):
@@ -139,3 +142,42 @@ def test_fair_queue_serves_the_least_served_group_first():
     # newcomers (0 served) before the big group's second item; then the big group finishes in order
     assert order == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("a", 2)]
     assert len(queue) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux kernel feature")
+def test_a_worker_mid_task_dies_with_a_server_killed_outright(tmp_path):
+    # A worker busy in a runaway computation never sees its pipe close; before PR_SET_PDEATHSIG such
+    # workers outlived a SIGKILLed server for an hour, spinning.
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import time\n"
+        "from services.scoring.pool import KillablePool\n"
+        "from tests.services.test_reward_pool import task\n"
+        "if __name__ == '__main__':\n"
+        "    pool = KillablePool(task, workers=1, timeout_s=3600)\n"
+        "    pool.start()\n"
+        "    pool.submit('hang', None)\n"
+        "    print(pool._workers[0].process.pid, flush=True)\n"
+        "    time.sleep(3600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(
+        [sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    worker = int(server.stdout.readline())
+    time.sleep(0.5)  # the worker has the hung task
+    assert _alive(worker)
+    server.kill()
+    server.wait()
+    deadline = time.monotonic() + 15
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited
