@@ -36,9 +36,10 @@ learning() {
   copy_small runs/learning "$OUT/learning"
 }
 
-copy_small() {  # the JSON results and logs of a run folder, not its checkpoints
+copy_small() {  # the JSON results and logs of a run folder, not its model folders (base/, weights/)
   mkdir -p "$2" && (cd "$1" 2>/dev/null && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' \) \
-    -size -8M -exec cp --parents {} "$2/" \;)
+    -not -path './base/*' -not -path '*/weights/*' -not -path '*/checkpoints/*' -size -8M \
+    -exec cp --parents {} "$2/" \;)
 }
 
 step_then_rollout() {
