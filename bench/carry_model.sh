@@ -46,6 +46,22 @@ pack() {
   du -sh "$OUT"/*
 }
 
+# bench/search_r1.py on the GPU machine: the services' wheels (its image has none of them), the
+# HotpotQA slice it trains on, and scipy (bm25s needs it) apart, as it alone is 35 MB
+SEARCH_WHEELS="fastapi starlette uvicorn h11 click pydantic-settings python-dotenv prometheus-client orjson
+  bm25s annotated-doc opentelemetry-api importlib-metadata zipp"
+
+pack_search() {
+  local py=${PYTHON:-.venv/bin/python}
+  rm -rf "$OUT/search" "$OUT/scipy" && mkdir -p "$OUT/search" "$OUT/scipy"
+  # shellcheck disable=SC2086
+  "$py" -m pip download -q --no-deps $PLATFORM -d "$OUT/search" $SEARCH_WHEELS
+  # shellcheck disable=SC2086
+  "$py" -m pip download -q --no-deps $PLATFORM -d "$OUT/scipy" scipy
+  cp ../shared/data/wiki/hotpot_dev100_{qa,corpus}.jsonl "$OUT/search/"
+  du -sh "$OUT/search" "$OUT/scipy"
+}
+
 stash() {
   mkdir -p /tmp/stash && cp "$OUT/a/model.part0" /tmp/stash/
   ls -l /tmp/stash
@@ -69,7 +85,8 @@ unpack() {
 
 case "${1:-}" in
   pack) pack ;;
+  pack-search) pack_search ;;
   stash) stash ;;
   unpack) shift; unpack "$@" ;;
-  *) echo "usage: bash bench/carry_model.sh pack | stash | unpack [DEST]" >&2; exit 2 ;;
+  *) echo "usage: bash bench/carry_model.sh pack | pack-search | stash | unpack [DEST]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,261 @@
+"""Where the actor update's MFU goes: one packed micro-batch of a Qwen2.5-0.5B-shaped model on one GPU.
+
+    python bench/actor_mfu.py [--seqs 32] [--response-len 256] [--json runs/actor_mfu.json]
+    python bench/actor_mfu.py --smoke     # CPU, tiny model, tiny batch: proves the plumbing only
+
+Rows (median ms of several reps after warm-up; CUDA events on GPU, perf_counter on CPU):
+- gemm_ceiling: only the matmuls of one forward + backward at this token count, bf16 `@` on random
+  tensors (per layer q/k/v/o, gate/up/down; the LM head over the response tokens, in the trainer's
+  1024-token chunks); backward = grad input + grad weight per forward matmul. The best the model path
+  could do with perfect everything else.
+- model[...]: the trainer's own path, built as trainer/run.py builds a one-process policy (load_policy,
+  use_packed_attention, compile_model, the fused LogprobHead), forward + response_logprobs + a
+  mean-logprob loss + backward: parameters fp32 (the trainer's) or bf16, under bf16 autocast, decoder
+  layers eager or compiled, and once with gradient checkpointing (grpo_gsm8k.yaml turns it on).
+- adamw_step[...]: the project's AdamW (fused on CUDA) step over all parameters; paid once per mini-batch.
+
+TFLOP/s and MFU use the trainer's counting (trainer.tracking.training_flops, 6 N per token + attention,
+the LM head counted on every token), so the MFU column is what perf/mfu/actor would say if the update
+took only this row's time. For gemm_ceiling the note gives the FLOP/s of the matmuls actually run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from testing.tiny import make_tiny_model, qwen25_05b_config, tiny_qwen2_config
+from trainer.batch import TrainBatch
+from trainer.compiling import compile_model
+from trainer.model import autocast, load_policy
+from trainer.packing import use_packed_attention
+from trainer.rollout.base import Rollout
+from trainer.tracking import peak_flops_per_gpu, training_flops
+from trainer.workers.common import OptimizerSettings, build_optimizer
+from trainer.workers.logprobs import DEFAULT_LOGITS_CHUNK_SIZE, LogprobHead, response_logprobs
+
+# a constant LR: only the step's kernels matter here
+ADAMW = OptimizerSettings(
+    lr=1e-6, weight_decay=0.01, betas=(0.9, 0.999), grad_clip=1.0, warmup_steps=0, total_steps=10,
+    schedule="constant", min_lr_ratio=0.0,
+)  # fmt: skip
+
+
+def median_ms(fn, device: torch.device, warmup: int, reps: int) -> float:
+    for _ in range(warmup):  # compilation, cuBLAS heuristics and the caching allocator settle here
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def make_batch(seqs: int, prompt_range: tuple[int, int], response_len: int, vocab: int, seed: int):
+    """A micro-batch shaped like GSM8K GRPO: prompts of uniform length in prompt_range, full responses."""
+    rng = random.Random(seed)
+    rollouts = []
+    for index in range(seqs):
+        prompt = rng.randint(*prompt_range)
+        rollouts.append(
+            Rollout(
+                prompt_ids=[rng.randrange(10, vocab) for _ in range(prompt)],
+                response_ids=[rng.randrange(10, vocab) for _ in range(response_len)],
+                logprobs=[0.0] * response_len,
+                loss_mask=[1] * response_len,
+                finish_reason="length",
+                prompt_index=index,
+            )
+        )
+    return TrainBatch.from_rollouts(rollouts, pad_id=0)
+
+
+def gemm_ceiling(config, tokens: int, response_tokens: int, device, timing) -> tuple[float, float]:
+    """(ms, FLOPs actually run) of the model's matmuls alone, bf16, forward + backward."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * hidden // config.num_attention_heads
+    shapes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]  # q k v o: (out, in)
+    shapes += [(inter, hidden), (inter, hidden), (hidden, inter)]  # gate up down
+    bf16 = {"device": device, "dtype": torch.bfloat16}
+    # distinct weights per layer, so no layer finds the previous one's weights in L2
+    layers = [[torch.randn(o, i, **bf16) for o, i in shapes] for _ in range(config.num_hidden_layers)]
+    inputs = {i: torch.randn(tokens, i, **bf16) for i in (hidden, inter)}
+    head = torch.randn(config.vocab_size, hidden, **bf16)
+    head_in = torch.randn(response_tokens, hidden, **bf16)
+    chunk = DEFAULT_LOGITS_CHUNK_SIZE
+
+    def run() -> None:
+        for weights in layers:
+            for w in weights:
+                x = inputs[w.shape[1]]
+                grad_out = x @ w.T  # stands in for the output's gradient: same shape
+                _ = grad_out @ w, grad_out.T @ x
+        for s in range(0, response_tokens, chunk):
+            h = head_in[s : s + chunk]
+            grad_logits = h @ head.T
+            _ = grad_logits @ head, grad_logits.T @ h
+
+    flops = 3 * 2 * tokens * sum(o * i for o, i in shapes) * config.num_hidden_layers
+    flops += 3 * 2 * response_tokens * config.vocab_size * hidden
+    return median_ms(run, device, *timing), flops
+
+
+def model_fwd_bwd(path, batch, *, device, param_dtype, compiled, checkpointing, timing, backend):
+    """(ms of forward + loss + backward, ms of one AdamW step, note) for the trainer's policy path."""
+    model = load_policy(
+        str(path), device=device, param_dtype=param_dtype, gradient_checkpointing=checkpointing
+    )
+    use_packed_attention(model)
+    note = ""
+    if compiled:
+        # trainer/run.py: compile_model(..., dtype=None, autocast_dtype=precision.autocast_dtype)
+        compiled = compile_model(
+            model, device=device, dtype=None, autocast_dtype=torch.bfloat16, backend=backend
+        )
+        note = "" if compiled else "compile probe failed: eager"
+    head = LogprobHead(fused=True, compiled=compiled)
+    mask = batch.response_mask
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)  # the first micro-batch of a mini-batch: grads are assigned
+        with autocast(device, torch.bfloat16):
+            # as Policy.train_mini_batch: entropy for the metric, no entropy gradient (entropy_coeff 0)
+            out = response_logprobs(model, batch, with_entropy=True, entropy_grad=False, head=head)
+        loss = -(out.logprobs * mask).sum() / mask.sum()
+        loss.backward()
+
+    ms = median_ms(step, device, *timing)
+    optimizer, _ = build_optimizer(model, ADAMW)
+    optimizer_ms = median_ms(optimizer.step, device, *timing)  # the grads of the last step() stay
+    return ms, optimizer_ms, note
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--prompt-min", type=int, default=70)
+    parser.add_argument("--prompt-max", type=int, default=170)
+    parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch, 1+2 reps")
+    args = parser.parse_args()
+
+    if args.smoke:
+        device, backend, timing = torch.device("cpu"), "eager", (1, 2)  # eager backend: no C++ compile
+        config = tiny_qwen2_config(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2)
+        seqs, prompt_range, response_len, tokenizer = 4, (6, 12), 16, "char"
+    else:
+        device, backend, timing = torch.device("cuda"), "inductor", (args.warmup, args.reps)
+        config, tokenizer = qwen25_05b_config(), "qwen"
+        seqs, prompt_range, response_len = args.seqs, (args.prompt_min, args.prompt_max), args.response_len
+    torch.manual_seed(args.seed)
+    batch = make_batch(seqs, prompt_range, response_len, config.vocab_size, args.seed).to(device)
+    seq_lens = (batch.prompt_lengths + batch.response_lengths).tolist()
+    tokens, response_tokens = sum(seq_lens), int(batch.response_lengths.sum())
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    peak = peak_flops_per_gpu(device_name) if device.type == "cuda" else None
+    path = make_tiny_model(
+        Path(tempfile.mkdtemp(prefix="actor_mfu_")) / "model", config=config, tokenizer=tokenizer
+    )
+    model_params = sum(p.numel() for p in load_policy(str(path)).parameters())  # as PolicyProfile.of counts
+    flops = training_flops(
+        num_params=model_params,
+        seq_lens=seq_lens,
+        num_layers=config.num_hidden_layers,
+        attention_dim=config.hidden_size,
+    )
+
+    rows = []
+
+    def record(variant: str, fn, counted: bool = True) -> None:
+        """counted=False: not a forward + backward, so no TFLOP/s or MFU."""
+        try:
+            ms, note = fn()
+        except Exception as exc:  # noqa: BLE001 - a failed variant is a row with its error, not an abort
+            ms, note = None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+        if device.type == "cuda":  # the variant's model and optimizer are gone: give their memory back
+            torch.cuda.empty_cache()
+        tflops = flops / (ms * 1e-3) / 1e12 if ms and counted else None
+        mfu = tflops * 1e12 / peak if tflops and peak else None
+        rows.append(dict(variant=variant, ms=ms, tflops=tflops, mfu=mfu, note=note))
+        print(f"  {variant}: {ms} ms {note}", file=sys.stderr, flush=True)
+
+    def ceiling():
+        ms, run_flops = gemm_ceiling(config, tokens, response_tokens, device, timing)
+        return ms, f"matmuls run at {run_flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s"
+
+    record("gemm_ceiling", ceiling)
+    optimizer_ms = {}
+    f32, bf16 = torch.float32, torch.bfloat16  # (parameter dtype, compiled layers, gradient checkpointing):
+    variants = [
+        (f32, False, False),
+        (f32, True, False),
+        (f32, False, True),
+        (bf16, False, False),
+        (bf16, True, False),
+    ]
+    for param_dtype, compiled, checkpointing in variants:
+        name = f"model[{str(param_dtype)[6:]} params, {'compiled' if compiled else 'eager'}"
+        name += ", grad ckpt]" if checkpointing else "]"
+
+        def run(param_dtype=param_dtype, compiled=compiled, checkpointing=checkpointing):
+            ms, opt_ms, note = model_fwd_bwd(
+                path,
+                batch,
+                device=device,
+                param_dtype=param_dtype,
+                compiled=compiled,
+                checkpointing=checkpointing,
+                timing=timing,
+                backend=backend,
+            )
+            optimizer_ms.setdefault(param_dtype, opt_ms)
+            return ms, note
+
+        record(name, run)
+    for param_dtype, ms in optimizer_ms.items():
+        record(f"adamw_step[{str(param_dtype)[6:]} params]", lambda ms=ms: (ms, "once per mini-batch"), False)
+
+    print(
+        f"\n{device_name}, {seqs} sequences, {tokens} tokens ({response_tokens} response), "
+        f"{model_params / 1e6:.0f}M params, {flops / 1e12:.2f} TFLOP counted, peak {peak}\n"
+    )
+    print("| variant | ms | TFLOP/s | MFU | note |\n|---|---:|---:|---:|---|")
+    for r in rows:
+        cells = [f"{r['ms']:.1f}" if r["ms"] else "-", f"{r['tflops']:.3g}" if r["tflops"] else "-"]
+        cells.append(f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-")
+        print(f"| {r['variant']} | {' | '.join(cells)} | {r['note']} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"device": device_name, "tokens": tokens, "response_tokens": response_tokens}
+        summary |= {"num_params": model_params, "counted_flops": flops, "peak_flops": peak, "rows": rows}
+        args.json.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
