@@ -117,6 +117,12 @@ class Embedder:
             defaults.passage if passage_prefix is None else passage_prefix,
         )
         self.precision = resolve_precision(precision, device)
+        if self.precision == "bfloat16":
+            # bf16 weights rather than autocast over fp32 ones: autocast casts every weight on every
+            # call, which cost MiniLM ~25% of a 25-query forward on one core (1.85 vs 1.43 ms a query)
+            import torch
+
+            self.model.to(torch.bfloat16)
         self.device = device
         self.dimension = self._dimension()
         self.max_tokens = int(getattr(self.model, "max_seq_length", None) or 512)  # longer input is cut
@@ -132,22 +138,17 @@ class Embedder:
     def _encode(self, texts: list[str], batch_size: int) -> np.ndarray:
         import torch
 
-        with (
-            torch.inference_mode(),
-            torch.autocast(
-                device_type=self.device.split(":")[0],
-                dtype=torch.bfloat16,
-                enabled=self.precision == "bfloat16",
-            ),
-        ):
+        with torch.inference_mode():
             vectors = self.model.encode(
                 texts,
                 batch_size=batch_size,
-                normalize_embeddings=True,
                 convert_to_numpy=True,
                 show_progress_bar=False,
             )
-        return np.ascontiguousarray(vectors, dtype=np.float32)
+        # normalised here in fp32: a bf16 model's own normalisation leaves norms ~0.3% off 1
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return vectors
 
     def encode_queries(self, queries: list[str], batch_size: int = 32) -> np.ndarray:
         # sentence-transformers sorts by length before chunking, so 32-query forwards pad little;
