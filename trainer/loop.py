@@ -59,6 +59,7 @@ from trainer.tracking import (
     memory_metrics,
     mfu,
     peak_flops_per_gpu,
+    profiled,
     progress_metrics,
     timed,
     timer,
@@ -100,7 +101,8 @@ async def train(run: Run) -> dict[str, float]:
         while step < run.total_steps:
             step += 1
             cursor_before_step = run.source.state()
-            metrics = await train_step(run, step)
+            with profiled(cfg.trainer.log_dir, step, cfg.trainer.profile_steps):
+                metrics = await train_step(run, step)
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)
             if should(cfg.trainer.save_freq, step, run.total_steps):

@@ -573,3 +573,32 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
         yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+@contextmanager
+def profiled(log_dir: str, step: int, steps: Sequence[int] | None) -> Iterator[None]:
+    """torch.profiler around one training step when `step` is in `steps` (trainer.profile_steps).
+
+    Writes log_dir/profile/step_N.txt, the ops with the most self CPU time and (on a GPU) the most
+    device time, and step_N.json, a Chrome trace (chrome://tracing, ui.perfetto.dev). A step is an
+    await of the whole pipeline, so the profile shows where one step's time goes: kernels, host syncs,
+    allocator calls, Python between them.
+    """
+    if not steps or step not in steps:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=False) as prof:
+        yield
+    folder = Path(log_dir) / "profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if torch.cuda.is_available():
+        tables.append(averages.table(sort_by="self_device_time_total", row_limit=40))
+    (folder / f"step_{step}.txt").write_text("\n\n".join(tables))
+    prof.export_chrome_trace(str(folder / f"step_{step}.json"))

@@ -213,8 +213,12 @@ def test_kl_in_reward_with_an_exactly_on_policy_update_runs(tiny_model, seven_da
             "algorithm.use_kl_in_reward=true",
             "algorithm.kl_penalty=abs",  # |log pi - log pi_ref|: no cancelling of signs, as k1 has
             "algorithm.kl_ctrl.kl_coef=0.1",
+            "trainer.profile_steps=[2]",  # and verl's profiler key: step 2 under torch.profiler
         ]
     )
+    profiles = tmp_path / "run" / "profile"
+    assert sorted(p.name for p in profiles.iterdir()) == ["step_2.json", "step_2.txt"]
+    assert "Self CPU" in (profiles / "step_2.txt").read_text()
     steps = [m for m in metrics_of(tmp_path) if "critic/score/mean" in m]
     assert [m["step"] for m in steps] == [1, 2]
     assert all("timing_s/old_log_prob" in m and "timing_s/ref" in m for m in steps)

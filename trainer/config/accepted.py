@@ -123,7 +123,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             """
             default_hdfs_dir del_local_ckpt_after_load esi_redundant_time
             ray_wait_register_center_timeout use_legacy_worker_impl max_critic_ckpt_to_keep
-            validation_data_dir profile_steps device_name
+            validation_data_dir device_name
             """,
         ),
         "reward_manager",

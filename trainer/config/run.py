@@ -93,6 +93,12 @@ class TrainerConfig(Section):
         None, ge=1, description="Keep the last K checkpoints (actor and critic together); null: all."
     )
     rollout_data_dir: str | None = Field(None, description="Folder for JSONL dumps of every step's rollouts.")
+    profile_steps: list[int] | None = Field(
+        None,
+        description="Steps to run under torch.profiler (this process: the whole step in a one-process "
+        "run, the driver only with Ray): log_dir/profile/step_N.txt (top ops by CPU and by device time) "
+        "and step_N.json (a Chrome trace).",
+    )
 
     _loggers = field_validator("logger", mode="before")(_one_or_many)
 
