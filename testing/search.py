@@ -163,6 +163,9 @@ def short_search_row(index: int) -> dict:
     }
 
 
+CHUNK = 16  # sequences per forward in teach_search_format
+
+
 def teach_search_format(
     model_dir: str | Path,
     rows: list[dict],
@@ -206,10 +209,20 @@ def teach_search_format(
     input_ids, labels, attention = input_ids.to(device), labels.to(device), attention.to(device)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # Chunks of CHUNK sequences with their gradients accumulated: the whole batch's logits at once ran
+    # a 0.5B shape out of memory at 100 prompts. Each chunk's mean loss is weighted by its share of the
+    # label tokens, so the step is the full batch's (and one chunk, the tests' case, is exactly it).
+    targets = (labels[:, 1:] != -100).sum(dim=1)
+    total = targets.sum()
     for _ in range(steps):
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad()
-        loss.backward()
+        loss = torch.zeros(())
+        for s in range(0, len(pairs), CHUNK):
+            part = slice(s, s + CHUNK)
+            chunk = model(input_ids=input_ids[part], attention_mask=attention[part], labels=labels[part]).loss
+            weighted = chunk * (targets[part].sum() / total)
+            weighted.backward()
+            loss = loss + weighted.detach().cpu()
         optimizer.step()
     model.save_pretrained(model_dir)
-    return float(loss.detach())
+    return float(loss)
