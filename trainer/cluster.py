@@ -123,7 +123,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
 
 
 def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> PolicyRankSettings:
-    from trainer.run import optimizer_settings, policy_loss_settings
+    from trainer.run import actor_token_budget, log_prob_micro_batch, optimizer_settings, policy_loss_settings
 
     arr = cfg.actor_rollout_ref
     return PolicyRankSettings(
@@ -135,10 +135,11 @@ def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> Polic
             mini_batch_size=whole_ranks(arr.actor.ppo_mini_batch_size * arr.rollout.n, cfg.world_size),
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=arr.actor.ppo_epochs,
+            token_budget=actor_token_budget(arr.actor),
         ),
         loss=policy_loss_settings(arr.actor),
         temperature=arr.rollout.temperature or 1.0,
-        log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+        log_prob_micro_batch_size=log_prob_micro_batch(arr.rollout, arr.actor),
         head=logprob_head(arr.model, arr.actor.use_torch_compile),
         engine=engine_settings(arr.rollout),
     )
@@ -156,19 +157,21 @@ def engine_settings(rollout) -> EngineSettings | None:
 
 
 def reference_rank_settings(cfg: Config, precision: Precision) -> ReferenceRankSettings:
+    from trainer.run import log_prob_micro_batch
+
     arr = cfg.actor_rollout_ref
     return ReferenceRankSettings(
         model=model_settings(
             arr.model, arr.ref.fsdp_config, precision, trainable=False, compile=arr.ref.use_torch_compile
         ),
         temperature=arr.rollout.temperature or 1.0,
-        micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+        micro_batch_size=log_prob_micro_batch(arr.ref, arr.actor),
         head=logprob_head(arr.model, arr.ref.use_torch_compile),
     )
 
 
 def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> CriticRankSettings:
-    from trainer.run import optimizer_settings
+    from trainer.run import critic_token_budgets, optimizer_settings
 
     critic = cfg.critic
     return CriticRankSettings(
@@ -180,13 +183,15 @@ def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> Criti
             ),
             micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
             ppo_epochs=critic.ppo_epochs,
+            token_budget=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[0],
         ),
         loss=ValueLossSettings(
             cliprange_value=critic.cliprange_value,
             loss_agg_mode=critic.loss_agg_mode,
             max_response_len=cfg.data.max_response_length,
         ),
-        forward_micro_batch_size=critic.forward_micro_batch_size_per_gpu,
+        forward_micro_batch_size=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[1]
+        or critic.forward_micro_batch_size_per_gpu,
     )
 
 

@@ -65,6 +65,14 @@ class DataParallel:
     def sum_floats(self, *values: float) -> list[float]:
         return self.sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
+    def max_int(self, value: int) -> int:
+        """The largest `value` over the ranks (a collective, as `sum`)."""
+        if not self.is_distributed:
+            return value
+        top = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        return int(top.item())
+
 
 SINGLE_PROCESS = DataParallel()
 

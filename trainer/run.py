@@ -42,7 +42,7 @@ from trainer.rollout.base import RolloutEngine, SamplingParams
 from trainer.rollout.factory import build_rollout, server_urls_from_env, visible_gpus
 from trainer.tracking import Tracker
 from trainer.workers.actor import Policy, PolicyLossSettings
-from trainer.workers.common import OptimizerSettings, UpdateSettings
+from trainer.workers.common import MicroBatchSize, OptimizerSettings, TokenBudget, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
 from trainer.workers.engines import builtin_engine
 from trainer.workers.group import GroupWeights, PolicyProfile
@@ -295,10 +295,11 @@ def build_policy(cfg: Config, device: torch.device, precision: Precision, steps:
             mini_batch_size=actor.ppo_mini_batch_size * n,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=actor.ppo_epochs,
+            token_budget=actor_token_budget(actor),
         ),
         policy_loss_settings(actor),
         temperature=arr.rollout.temperature or 1.0,
-        log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+        log_prob_micro_batch_size=log_prob_micro_batch(arr.rollout, actor),
         autocast_dtype=precision.autocast_dtype,
         head=LogprobHead(fused=arr.model.use_fused_kernels, compiled=compiled),
     )
@@ -319,7 +320,7 @@ def build_reference(cfg: Config, device: torch.device, precision: Precision) -> 
         compile_model(model, device=device, dtype=None, autocast_dtype=precision.autocast_dtype, train=False)
     return Reference(
         model,
-        micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+        micro_batch_size=log_prob_micro_batch(arr.ref, arr.actor),
         temperature=arr.rollout.temperature or 1.0,
         autocast_dtype=precision.autocast_dtype,
         head=LogprobHead(fused=arr.model.use_fused_kernels, compiled=compiled),
@@ -344,13 +345,15 @@ def build_critic(cfg: Config, device: torch.device, precision: Precision, steps:
             mini_batch_size=critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n,
             micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
             ppo_epochs=critic.ppo_epochs,
+            token_budget=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[0],
         ),
         ValueLossSettings(
             cliprange_value=critic.cliprange_value,
             loss_agg_mode=critic.loss_agg_mode,
             max_response_len=cfg.data.max_response_length,
         ),
-        forward_micro_batch_size=critic.forward_micro_batch_size_per_gpu,
+        forward_micro_batch_size=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[1]
+        or critic.forward_micro_batch_size_per_gpu,
         autocast_dtype=precision.autocast_dtype,
     )
 
@@ -374,6 +377,33 @@ def optimizer_settings(optim, grad_clip: float, steps: int) -> OptimizerSettings
         schedule=optim.lr_scheduler_type,
         min_lr_ratio=optim.min_lr_ratio or 0.0,
     )
+
+
+def actor_token_budget(actor) -> TokenBudget | None:
+    """verl's use_dynamic_bsz for the actor's update: micro-batches by tokens, not sequences."""
+    return TokenBudget(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None
+
+
+def log_prob_micro_batch(section, actor) -> MicroBatchSize | None:
+    """A log-prob pass's micro-batches (the rollout's old logprobs, the reference's): a token budget
+    with log_prob_use_dynamic_bsz, else log_prob_micro_batch_size_per_gpu; both default to the actor's."""
+    dynamic = section.log_prob_use_dynamic_bsz
+    if dynamic is None:
+        dynamic = actor.use_dynamic_bsz
+    if dynamic:
+        return TokenBudget(section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu)
+    return section.log_prob_micro_batch_size_per_gpu
+
+
+def critic_token_budgets(critic, actor) -> tuple[TokenBudget | None, TokenBudget | None]:
+    """(update, value forward) budgets with the critic's use_dynamic_bsz (default: the actor's)."""
+    dynamic = critic.use_dynamic_bsz
+    if dynamic is None:
+        dynamic = actor.use_dynamic_bsz
+    if not dynamic:
+        return None, None
+    forward = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
+    return TokenBudget(critic.ppo_max_token_len_per_gpu), TokenBudget(forward)
 
 
 def policy_loss_settings(actor) -> PolicyLossSettings:

@@ -214,6 +214,8 @@ def test_kl_in_reward_with_an_exactly_on_policy_update_runs(tiny_model, seven_da
             "algorithm.kl_penalty=abs",  # |log pi - log pi_ref|: no cancelling of signs, as k1 has
             "algorithm.kl_ctrl.kl_coef=0.1",
             "trainer.profile_steps=[2]",  # and verl's profiler key: step 2 under torch.profiler
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",  # and token-budget micro-batches everywhere
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=300",
         ]
     )
     profiles = tmp_path / "run" / "profile"

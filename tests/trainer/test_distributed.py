@@ -19,11 +19,12 @@ import torch
 from testing.tiny import make_tiny_model
 from trainer.batch import TrainBatch
 from trainer.checkpoint import LocalRole
+from trainer.distributed import shard_rows
 from trainer.fsdp import FSDPSettings
 from trainer.model import load_policy
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.workers.actor import Policy, PolicyLossSettings
-from trainer.workers.common import OptimizerSettings, UpdateSettings
+from trainer.workers.common import OptimizerSettings, TokenBudget, UpdateSettings, token_budget_bounds
 from trainer.workers.group import GroupRolloutEngine, PolicyGroup, ResourcePool, connect_ray
 from trainer.workers.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
 
@@ -79,14 +80,18 @@ def loss_settings(mode: str) -> PolicyLossSettings:
     )
 
 
-def policy_settings(model_dir, mode="token-mean", engine=None, remove_padding=True) -> PolicyRankSettings:
-    """engine: the colocated engine's name (builtin, hf), None for none."""
+def policy_settings(
+    model_dir, mode="token-mean", engine=None, remove_padding=True, budget=None
+) -> PolicyRankSettings:
+    """engine: the colocated engine's name (builtin, hf), None for none; budget: use_dynamic_bsz's
+    tokens per micro-batch (update and logprobs), None for sequence counts."""
+    tokens = TokenBudget(budget) if budget else None
     return PolicyRankSettings(
         model=ModelSettings(path=str(model_dir), remove_padding=remove_padding, fsdp=FSDPSettings()),
         optim=optim(),
-        update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH),
+        update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH, token_budget=tokens),
         loss=loss_settings(mode),
-        log_prob_micro_batch_size=2,
+        log_prob_micro_batch_size=tokens or 2,
         engine=EngineSettings(name=engine, context_length=64) if engine else None,
     )
 
@@ -143,8 +148,8 @@ def make_batch(seed: int, rows: int = 8) -> TrainBatch:
     return batch.with_fields(old_logprobs=(-2.0 + noise) * batch.response_mask, advantages=advantages)
 
 
-def local_policy(model_dir, mode: str, checkpoint=None) -> Policy:
-    settings = policy_settings(model_dir, mode)
+def local_policy(model_dir, mode: str, checkpoint=None, budget=None) -> Policy:
+    settings = policy_settings(model_dir, mode, budget=budget)
     policy = Policy(
         load_policy(str(model_dir)),
         settings.optim,
@@ -187,6 +192,34 @@ def test_two_ranks_on_two_nodes_give_the_update_of_one_process_and_resume_on_one
         # the group reads its own checkpoint back: rewound to after step 1, step 2 repeats exactly
         group.load(str(tmp_path / "after"))
         assert_same_metrics(group.update(make_batch(seed=2)), metrics)
+    finally:
+        close(group, pool)
+
+
+def test_token_budget_micro_batches_on_two_ranks_give_the_update_of_one_process(cluster, model_dir, tmp_path):
+    # use_dynamic_bsz under FSDP: a rank whose rows fit fewer micro-batches runs as many as the rank
+    # that needs the most (every sharded forward is a collective); the update is still one process's
+    budget = 14  # rows of 3-15 tokens: a rank needs 1 or 2 micro-batches for its 2 rows of a mini-batch
+    uneven = 0  # mini-batches where the two ranks' own cuts differ (so one must re-cut to match)
+    for seed in (1, 2, 3):
+        batch = make_batch(seed=seed)
+        tokens = (batch.prompt_lengths + batch.response_lengths).tolist()
+        shards, half = shard_rows(tokens, 2, MINI_BATCH), MINI_BATCH // 2
+        for k in range(0, len(shards[0]), half):
+            cuts = {len(token_budget_bounds([tokens[i] for i in s[k : k + half]], budget)) for s in shards}
+            uneven += len(cuts) > 1
+    assert uneven > 0
+    group, pool = policy_group(model_dir, nnodes=2, budget=budget)
+    try:
+        group.save(str(tmp_path / "start"))
+        single = local_policy(model_dir, "token-mean", checkpoint=tmp_path / "start", budget=budget)
+        for seed in (1, 2, 3):
+            batch = make_batch(seed=seed)
+            assert_same_metrics(group.update(batch), single.update(batch))
+        probe = make_batch(seed=7)
+        torch.testing.assert_close(
+            group.compute_logprobs(probe).logprobs, single.compute_logprobs(probe).logprobs, atol=1e-4, rtol=0
+        )
     finally:
         close(group, pool)
 

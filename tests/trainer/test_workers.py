@@ -12,7 +12,16 @@ from trainer.model import is_gradient_checkpointing, load_critic, load_policy, l
 from trainer.rollout.base import Rollout
 from testing.tiny import make_tiny_model
 from trainer.workers.actor import Policy, PolicyLossSettings, is_on_policy
-from trainer.workers.common import OptimizerSettings, UpdateSettings, clip_and_step, lr_multiplier
+from trainer.workers.common import (
+    OptimizerSettings,
+    TokenBudget,
+    UpdateSettings,
+    clip_and_step,
+    even_bounds,
+    lr_multiplier,
+    micro_batches,
+    token_budget_bounds,
+)
 from trainer.workers.critic import Critic, ValueLossSettings
 from trainer.workers.logprobs import response_logprobs
 from trainer.workers.reference import Reference
@@ -221,6 +230,47 @@ def test_micro_batch_1_x_8_gives_the_same_update_as_8_x_1(base_model, loss_agg_m
     for name, value in results[8][1].items():
         assert results[1][1][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
     assert 0 < results[8][1]["actor/pg_clipfrac"] < 1  # the clip was active on some tokens
+
+
+def test_token_budget_cuts_consecutive_rows_within_the_budget():
+    assert token_budget_bounds([4, 4, 4, 9, 2, 20, 1], 10) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
+    assert token_budget_bounds([], 10) == []
+    # the same rows in exactly k parts (other ranks needed k): non-empty, near-even token sums
+    assert even_bounds([4, 4, 4, 9, 2, 20, 1], 2) == [(0, 5), (5, 7)]
+    assert even_bounds([5, 5, 5, 5], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert even_bounds([1, 1, 30], 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="non-empty"):
+        even_bounds([1, 2], 3)
+    batch = make_batch()
+    tokens = (batch.prompt_lengths + batch.response_lengths).tolist()
+    micros = list(micro_batches(batch, TokenBudget(max(tokens) + 1), torch.device("cpu")))
+    assert sum(len(m) for m in micros) == len(batch) and 1 < len(micros) < len(batch)
+    for micro in micros:
+        assert (
+            len(micro) == 1 or int((micro.prompt_lengths + micro.response_lengths).sum()) <= max(tokens) + 1
+        )
+
+
+def test_token_budget_micro_batches_give_the_update_and_logprobs_of_sequence_counts(base_model):
+    # verl's use_dynamic_bsz: micro-batches cut by tokens train the same parameters (the loss divides
+    # by the mini-batch's global counts, whatever the cut) and give the same logprobs
+    batch = with_training_fields(make_batch(), base_model)
+    loss = loss_settings(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_coef=0.1)
+    results = {}
+    for name, update, logprob_micro in (
+        ("count", sizes(8, 8), 8),
+        ("tokens", UpdateSettings(mini_batch_size=8, micro_batch_size=8, token_budget=TokenBudget(20)), None),
+    ):
+        policy = Policy(
+            fresh(base_model), optim(lr=1e-3), update, loss, log_prob_micro_batch_size=logprob_micro
+        )
+        logprobs = policy.compute_logprobs(batch).logprobs
+        results[name] = (logprobs, policy.update(batch), flat_params(policy.model))
+    (lp_t, metrics_t, params_t), (lp_c, metrics_c, params_c) = results["tokens"], results["count"]
+    torch.testing.assert_close(lp_t, lp_c, rtol=0, atol=1e-5)
+    start = flat_params(base_model)
+    assert (params_t - params_c).norm() / (params_c - start).norm() < 1e-4
+    assert metrics_t["actor/pg_loss"] == pytest.approx(metrics_c["actor/pg_loss"], rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "seq-mean-token-sum"])

@@ -48,7 +48,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             hf_config_path tokenizer_path tiled_mlp mtp
             """,
         ),
-        # the actor: FSDP and sequence parallelism (one process today), dynamic token-budget batches
+        # the actor: FSDP and sequence parallelism knobs
         *_under("actor_rollout_ref.actor", _REF_AND_ACTOR),
         *_under("actor_rollout_ref.actor.fsdp_config", _FSDP),
         *_under("actor_rollout_ref.ref.fsdp_config", _FSDP),
@@ -56,7 +56,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "actor_rollout_ref.actor",
             """
-            use_dynamic_bsz ppo_max_token_len_per_gpu use_remove_padding use_fused_kernels checkpoint tau_pos
+            use_remove_padding use_fused_kernels checkpoint tau_pos
             tau_neg freeze_vision_tower calculate_entropy use_prefix_grouper data_loader_seed
             calculate_sum_pi_squared sum_pi_squared_checkpointing optim.total_training_steps optim.clip_grad
             optim.num_cycles optim.optimizer_impl optim.override_optimizer_config policy_loss.clip_cov_ratio
@@ -64,12 +64,11 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             """,
         ),
         *_under("actor_rollout_ref.ref", _REF_AND_ACTOR),
-        *_under("actor_rollout_ref.ref", "log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu"),
         # rollout: knobs of external engines (vLLM / SGLang), which are not wired in yet
         *_under(
             "actor_rollout_ref.rollout",
             """
-            mode log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu dtype enforce_eager free_cache_engine
+            mode dtype enforce_eager free_cache_engine
             load_format max_num_batched_tokens max_model_len max_num_seqs enable_chunked_prefill
             disable_log_stats calculate_log_probs layered_summon update_weights_bucket_megabytes
             over_sample_rate multi_stage_wake_up ignore_eos engine_kwargs
@@ -89,13 +88,13 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         ),
         "actor_rollout_ref.hybrid_engine",
         "actor_rollout_ref.nccl_timeout",
-        # critic: the same FSDP / dynamic-batch knobs as the actor
+        # critic: the same FSDP knobs as the actor
         *_under(
             "critic",
             """
-            strategy rollout_n use_dynamic_bsz ppo_max_token_len_per_gpu forward_max_token_len_per_gpu
-            checkpoint ulysses_sequence_parallel_size data_loader_seed profiler optim.total_training_steps
-            optim.clip_grad optim.num_cycles optim.optimizer_impl optim.override_optimizer_config
+            strategy rollout_n checkpoint ulysses_sequence_parallel_size data_loader_seed profiler
+            optim.total_training_steps optim.clip_grad optim.num_cycles optim.optimizer_impl
+            optim.override_optimizer_config
             """,
         ),
         *_under(

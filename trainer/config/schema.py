@@ -193,6 +193,15 @@ class ActorConfig(Section):
         description="Deprecated global micro-batch: divided by the GPU count into "
         "ppo_micro_batch_size_per_gpu.",
     )
+    use_dynamic_bsz: bool = Field(
+        False,
+        description="Cut micro-batches by a token budget (ppo_max_token_len_per_gpu: whole consecutive "
+        "sequences, prompt + response tokens) instead of ppo_micro_batch_size_per_gpu sequences: every "
+        "forward equally full whatever the lengths. The loss is the same either way.",
+    )
+    ppo_max_token_len_per_gpu: int = Field(
+        16384, ge=1, description="Tokens per micro-batch with use_dynamic_bsz (a longer sequence goes alone)."
+    )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch of rollouts.")
     shuffle: bool = Field(False, description="Reshuffle sequences between PPO epochs.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
@@ -327,6 +336,17 @@ class RolloutConfig(Section):
     log_prob_micro_batch_size: int | None = Field(
         None, ge=1, description="Deprecated global form of log_prob_micro_batch_size_per_gpu."
     )
+    log_prob_use_dynamic_bsz: bool | None = Field(
+        None,
+        description="Cut old-logprob forwards by a token budget instead of a sequence count. "
+        "null: the actor's use_dynamic_bsz.",
+    )
+    log_prob_max_token_len_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per old-logprob forward with log_prob_use_dynamic_bsz. "
+        "null: the actor's ppo_max_token_len_per_gpu.",
+    )
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling used for validation.")
     multi_turn: MultiTurnConfig = Field(
         default_factory=MultiTurnConfig, description="Multi-turn rollouts with the search tool."
@@ -343,6 +363,17 @@ class RefConfig(Section):
     )
     log_prob_micro_batch_size: int | None = Field(
         None, ge=1, description="Deprecated global form of log_prob_micro_batch_size_per_gpu."
+    )
+    log_prob_use_dynamic_bsz: bool | None = Field(
+        None,
+        description="Cut reference forwards by a token budget instead of a sequence count. "
+        "null: the actor's use_dynamic_bsz.",
+    )
+    log_prob_max_token_len_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per reference forward with log_prob_use_dynamic_bsz. "
+        "null: the actor's ppo_max_token_len_per_gpu.",
     )
 
 
@@ -395,6 +426,17 @@ class CriticConfig(Section):
     )
     forward_micro_batch_size: int | None = Field(
         None, ge=1, description="Deprecated global form of the above."
+    )
+    use_dynamic_bsz: bool | None = Field(
+        None, description="Token-budget micro-batches for the critic (as the actor's key). null: the actor's."
+    )
+    ppo_max_token_len_per_gpu: int = Field(
+        32768, ge=1, description="Tokens per critic micro-batch with use_dynamic_bsz."
+    )
+    forward_max_token_len_per_gpu: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per value forward with use_dynamic_bsz. null: ppo_max_token_len_per_gpu.",
     )
     ppo_epochs: int | None = Field(
         None, ge=1, description="Critic passes per batch. null: the actor's ppo_epochs."

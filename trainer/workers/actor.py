@@ -19,6 +19,7 @@ from trainer.algos import KLKind, LossAggMode
 from trainer.batch import TrainBatch
 from trainer.distributed import SINGLE_PROCESS, DataParallel
 from trainer.workers.common import (
+    MicroBatchSize,
     MiniBatchMetrics,
     OptimizerSettings,
     TrainedModel,
@@ -72,7 +73,7 @@ class Policy(TrainedModel):
         loss: PolicyLossSettings,
         *,
         temperature: float = 1.0,
-        log_prob_micro_batch_size: int | None = None,
+        log_prob_micro_batch_size: MicroBatchSize | None = None,
         autocast_dtype: torch.dtype | None = None,
         head: LogprobHead = LogprobHead(),
         dp: DataParallel = SINGLE_PROCESS,
@@ -84,7 +85,7 @@ class Policy(TrainedModel):
         super().__init__(model, optim, update, autocast_dtype=autocast_dtype, dp=dp)
         self.loss = loss
         self.temperature = temperature
-        self.log_prob_micro_batch_size = log_prob_micro_batch_size or update.micro_batch_size
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size or update.micro
         self.head = head
 
     def is_on_policy(self, batch_size: int) -> bool:
@@ -101,6 +102,7 @@ class Policy(TrainedModel):
             with_entropy=with_entropy,
             autocast_dtype=self.autocast_dtype,
             head=self.head,
+            dp=self.dp,
         )
 
     def check_update_inputs(self, batch: TrainBatch) -> None:

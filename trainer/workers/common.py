@@ -33,10 +33,69 @@ from trainer.model import autocast
 # ------------------------------------------------------------------------------------------ batching
 
 
-def micro_batches(batch: TrainBatch, size: int, device: torch.device) -> Iterator[TrainBatch]:
-    """Micro-batches of `size` sequences on `device`, each trimmed to its own padding."""
-    for micro in batch.split(size):
-        yield micro.trimmed().to(device)
+@dataclass(frozen=True)
+class TokenBudget:
+    """verl's use_dynamic_bsz: micro-batches of whole, consecutive sequences of at most `max_tokens`
+    tokens (prompt + response) each; a longer sequence goes alone. A count of sequences launches as
+    many kernels for short sequences as for long ones; a token budget keeps every forward equally full.
+    """
+
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+MicroBatchSize = int | TokenBudget  # sequences per forward, or a token budget
+
+
+def token_budget_bounds(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """[start, stop) row ranges, consecutive, each within `max_tokens` unless it is one long row."""
+    bounds, start, tokens = [], 0, 0
+    for row, length in enumerate(lengths):
+        if row > start and tokens + length > max_tokens:
+            bounds.append((start, row))
+            start, tokens = row, 0
+        tokens += length
+    if lengths:
+        bounds.append((start, len(lengths)))
+    return bounds
+
+
+def even_bounds(lengths: list[int], parts: int) -> list[tuple[int, int]]:
+    """`parts` consecutive non-empty row ranges (parts <= rows) whose token sums are near total / parts."""
+    if not 1 <= parts <= len(lengths):
+        raise ValueError(f"cannot cut {len(lengths)} rows into {parts} non-empty micro-batches")
+    total, bounds, start, running = sum(lengths), [], 0, 0
+    for row, length in enumerate(lengths):
+        running += length
+        cuts_left = parts - 1 - len(bounds)
+        rows_left = len(lengths) - row - 1
+        if cuts_left and (running >= total * (len(bounds) + 1) / parts or rows_left == cuts_left):
+            bounds.append((start, row + 1))
+            start = row + 1
+    bounds.append((start, len(lengths)))
+    return bounds
+
+
+def micro_batches(
+    batch: TrainBatch, size: MicroBatchSize, device: torch.device, dp: DataParallel = SINGLE_PROCESS
+) -> Iterator[TrainBatch]:
+    """Micro-batches on `device`, each trimmed to its own padding: `size` sequences each, or within a
+    TokenBudget. Under data parallelism a budget gives every rank the same number of micro-batches
+    (the most any rank needs, each rank's rows re-cut evenly by tokens), because every sharded forward
+    and backward is a collective that all ranks must run together."""
+    if not isinstance(size, TokenBudget):
+        yield from (micro.trimmed().to(device) for micro in batch.split(size))
+        return
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    bounds = token_budget_bounds(lengths, size.max_tokens)
+    count = dp.max_int(len(bounds))
+    if count != len(bounds):
+        bounds = even_bounds(lengths, count)
+    for start, stop in bounds:
+        yield batch.select(range(start, stop)).trimmed().to(device)
 
 
 def pad_response_columns(parts: list[Tensor], width: int) -> Tensor:
@@ -51,10 +110,15 @@ class UpdateSettings:
     mini_batch_size: int  # sequences per optimizer step
     micro_batch_size: int  # sequences per forward / backward
     ppo_epochs: int = 1  # passes over the batch
+    token_budget: TokenBudget | None = None  # use_dynamic_bsz: replaces micro_batch_size
 
     def __post_init__(self) -> None:
         if min(self.mini_batch_size, self.micro_batch_size, self.ppo_epochs) < 1:
             raise ValueError(f"update sizes and ppo_epochs must be >= 1; got {self}")
+
+    @property
+    def micro(self) -> MicroBatchSize:
+        return self.token_budget or self.micro_batch_size
 
 
 def global_denominators(mini_batch: TrainBatch, max_response_len: int | None, dp: DataParallel) -> dict:
@@ -223,8 +287,8 @@ class TrainedModel:
     def autocast(self):
         return autocast(self.device, self.autocast_dtype)
 
-    def micro_batches(self, batch: TrainBatch, size: int | None = None) -> Iterator[TrainBatch]:
-        return micro_batches(batch, size or self.update_settings.micro_batch_size, self.device)
+    def micro_batches(self, batch: TrainBatch, size: MicroBatchSize | None = None) -> Iterator[TrainBatch]:
+        return micro_batches(batch, size or self.update_settings.micro, self.device, self.dp)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs passes over the batch's mini-batches, an optimizer step each; one LR-schedule step.

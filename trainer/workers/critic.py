@@ -22,6 +22,7 @@ from trainer.fsdp import in_root_forward
 from trainer.model import backbone_and_head
 from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import (
+    MicroBatchSize,
     MiniBatchMetrics,
     OptimizerSettings,
     TrainedModel,
@@ -66,14 +67,14 @@ class Critic(TrainedModel):
         update: UpdateSettings,
         loss: ValueLossSettings,
         *,
-        forward_micro_batch_size: int | None = None,
+        forward_micro_batch_size: MicroBatchSize | None = None,
         autocast_dtype: torch.dtype | None = None,
         dp: DataParallel = SINGLE_PROCESS,
     ) -> None:
         """forward_micro_batch_size: sequences per compute_values forward (default: the update's)."""
         super().__init__(model, optim, update, autocast_dtype=autocast_dtype, dp=dp)
         self.loss = loss
-        self.forward_micro_batch_size = forward_micro_batch_size or update.micro_batch_size
+        self.forward_micro_batch_size = forward_micro_batch_size or update.micro
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> Tensor:

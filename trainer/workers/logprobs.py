@@ -37,10 +37,11 @@ from transformers import PreTrainedModel
 from trainer import algos
 from trainer.batch import TrainBatch
 from trainer.compiling import CompiledOrEager
+from trainer.distributed import SINGLE_PROCESS, DataParallel
 from trainer.fsdp import compute_device, in_root_forward
 from trainer.model import autocast, backbone_and_head
 from trainer.packing import is_packed, response_hidden_states
-from trainer.workers.common import micro_batches, pad_response_columns
+from trainer.workers.common import MicroBatchSize, micro_batches, pad_response_columns
 
 DEFAULT_LOGITS_CHUNK_SIZE = 1024  # tokens per LM-head chunk: 1024 x 151936 bf16 logits = 0.3 GB
 
@@ -264,17 +265,18 @@ def _plain_head(hidden_rows, targets, head, temperature, with_entropy, entropy_g
 def batched_response_logprobs(
     model: PreTrainedModel,
     batch: TrainBatch,
-    micro_batch_size: int,
+    micro_batch_size: MicroBatchSize,
     *,
     temperature: float,
     with_entropy: bool,
     autocast_dtype: torch.dtype | None,
     head: LogprobHead,
+    dp: DataParallel = SINGLE_PROCESS,
 ) -> ResponseLogprobs:
     """response_logprobs over the whole batch, micro-batch by micro-batch, without gradients."""
     device = compute_device(model)
     logprob_parts, entropy_parts = [], []
-    for micro in micro_batches(batch, micro_batch_size, device):
+    for micro in micro_batches(batch, micro_batch_size, device, dp):
         with autocast(device, autocast_dtype):
             out = response_logprobs(
                 model, micro, temperature=temperature, with_entropy=with_entropy, head=head

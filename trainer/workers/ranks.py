@@ -38,7 +38,7 @@ from trainer.model import load_critic, load_policy, load_reference, load_tokeniz
 from trainer.packing import use_packed_attention
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.workers.actor import Policy, PolicyLossSettings
-from trainer.workers.common import OptimizerSettings, UpdateSettings
+from trainer.workers.common import MicroBatchSize, OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
 from trainer.workers.engines import EngineSettings, builtin_engine, hf_engine_copy
 from trainer.workers.group import PolicyProfile
@@ -138,7 +138,7 @@ class PolicyRankSettings:
     update: UpdateSettings  # GLOBAL sizes: the group splits every mini-batch over the ranks
     loss: PolicyLossSettings
     temperature: float = 1.0
-    log_prob_micro_batch_size: int | None = None
+    log_prob_micro_batch_size: MicroBatchSize | None = None
     head: LogprobHead = LogprobHead()
     engine: EngineSettings | None = None  # None: no colocated engine (generation runs elsewhere)
 
@@ -241,7 +241,7 @@ def build_policy(settings: PolicyRankSettings, dp: DataParallel, device: torch.d
 class ReferenceRankSettings:
     model: ModelSettings
     temperature: float = 1.0
-    micro_batch_size: int = 8
+    micro_batch_size: MicroBatchSize = 8
     head: LogprobHead = LogprobHead()
 
 
@@ -253,6 +253,7 @@ class ReferenceRank:
             temperature=settings.temperature,
             micro_batch_size=settings.micro_batch_size,
             head=settings.head,
+            dp=dp,
         )
         self.offloader = Offloader(model, None, settings.model.fsdp, device)
 
@@ -274,7 +275,7 @@ class CriticRankSettings:
     optim: OptimizerSettings
     update: UpdateSettings  # GLOBAL sizes
     loss: ValueLossSettings
-    forward_micro_batch_size: int | None = None
+    forward_micro_batch_size: MicroBatchSize | None = None
 
 
 class CriticRank(_Checkpointed):

@@ -11,6 +11,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from trainer.batch import TrainBatch
+from trainer.distributed import SINGLE_PROCESS, DataParallel
+from trainer.workers.common import MicroBatchSize
 from trainer.workers.logprobs import LogprobHead, batched_response_logprobs
 
 
@@ -21,14 +23,17 @@ class Reference:
         self,
         model: PreTrainedModel,
         *,
-        micro_batch_size: int,
+        micro_batch_size: MicroBatchSize,
         temperature: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
         head: LogprobHead = LogprobHead(),
+        dp: DataParallel = SINGLE_PROCESS,
     ) -> None:
-        """micro_batch_size: sequences per forward; temperature: the rollout's, as the policy's."""
+        """micro_batch_size: sequences (or a TokenBudget) per forward; temperature: the rollout's, as
+        the policy's; dp: the ranks it is sharded over, which must run the same number of forwards."""
         self.model = model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
+        self.dp = dp
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype
         self.head = head
@@ -43,6 +48,7 @@ class Reference:
             with_entropy=False,
             autocast_dtype=self.autocast_dtype,
             head=self.head,
+            dp=self.dp,
         ).logprobs
 
     def state_dict(self) -> dict:
