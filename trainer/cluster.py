@@ -123,7 +123,7 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
 
 
 def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> PolicyRankSettings:
-    from trainer.run import actor_token_budget, log_prob_micro_batch, optimizer_settings, policy_loss_settings
+    from trainer.run import log_prob_micro_batch, optimizer_settings, policy_loss_settings, token_budget
 
     arr = cfg.actor_rollout_ref
     return PolicyRankSettings(
@@ -135,11 +135,11 @@ def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> Polic
             mini_batch_size=whole_ranks(arr.actor.ppo_mini_batch_size * arr.rollout.n, cfg.world_size),
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=arr.actor.ppo_epochs,
-            token_budget=actor_token_budget(arr.actor),
+            token_budget=token_budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
         ),
         loss=policy_loss_settings(arr.actor),
         temperature=arr.rollout.temperature or 1.0,
-        log_prob_micro_batch_size=log_prob_micro_batch(arr.rollout, arr.actor),
+        log_prob_micro_batch_size=log_prob_micro_batch(arr.rollout),
         head=logprob_head(arr.model, arr.actor.use_torch_compile),
         engine=engine_settings(arr.rollout),
     )
@@ -165,13 +165,13 @@ def reference_rank_settings(cfg: Config, precision: Precision) -> ReferenceRankS
             arr.model, arr.ref.fsdp_config, precision, trainable=False, compile=arr.ref.use_torch_compile
         ),
         temperature=arr.rollout.temperature or 1.0,
-        micro_batch_size=log_prob_micro_batch(arr.ref, arr.actor),
+        micro_batch_size=log_prob_micro_batch(arr.ref),
         head=logprob_head(arr.model, arr.ref.use_torch_compile),
     )
 
 
 def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> CriticRankSettings:
-    from trainer.run import critic_token_budgets, optimizer_settings
+    from trainer.run import optimizer_settings, token_budget
 
     critic = cfg.critic
     return CriticRankSettings(
@@ -183,14 +183,14 @@ def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> Criti
             ),
             micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
             ppo_epochs=critic.ppo_epochs,
-            token_budget=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[0],
+            token_budget=token_budget(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
         ),
         loss=ValueLossSettings(
             cliprange_value=critic.cliprange_value,
             loss_agg_mode=critic.loss_agg_mode,
             max_response_len=cfg.data.max_response_length,
         ),
-        forward_micro_batch_size=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[1]
+        forward_micro_batch_size=token_budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)
         or critic.forward_micro_batch_size_per_gpu,
     )
 

@@ -295,11 +295,11 @@ def build_policy(cfg: Config, device: torch.device, precision: Precision, steps:
             mini_batch_size=actor.ppo_mini_batch_size * n,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=actor.ppo_epochs,
-            token_budget=actor_token_budget(actor),
+            token_budget=token_budget(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
         ),
         policy_loss_settings(actor),
         temperature=arr.rollout.temperature or 1.0,
-        log_prob_micro_batch_size=log_prob_micro_batch(arr.rollout, actor),
+        log_prob_micro_batch_size=log_prob_micro_batch(arr.rollout),
         autocast_dtype=precision.autocast_dtype,
         head=LogprobHead(fused=arr.model.use_fused_kernels, compiled=compiled),
     )
@@ -320,7 +320,7 @@ def build_reference(cfg: Config, device: torch.device, precision: Precision) -> 
         compile_model(model, device=device, dtype=None, autocast_dtype=precision.autocast_dtype, train=False)
     return Reference(
         model,
-        micro_batch_size=log_prob_micro_batch(arr.ref, arr.actor),
+        micro_batch_size=log_prob_micro_batch(arr.ref),
         temperature=arr.rollout.temperature or 1.0,
         autocast_dtype=precision.autocast_dtype,
         head=LogprobHead(fused=arr.model.use_fused_kernels, compiled=compiled),
@@ -345,14 +345,14 @@ def build_critic(cfg: Config, device: torch.device, precision: Precision, steps:
             mini_batch_size=critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n,
             micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
             ppo_epochs=critic.ppo_epochs,
-            token_budget=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[0],
+            token_budget=token_budget(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
         ),
         ValueLossSettings(
             cliprange_value=critic.cliprange_value,
             loss_agg_mode=critic.loss_agg_mode,
             max_response_len=cfg.data.max_response_length,
         ),
-        forward_micro_batch_size=critic_token_budgets(critic, cfg.actor_rollout_ref.actor)[1]
+        forward_micro_batch_size=token_budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)
         or critic.forward_micro_batch_size_per_gpu,
         autocast_dtype=precision.autocast_dtype,
     )
@@ -379,31 +379,15 @@ def optimizer_settings(optim, grad_clip: float, steps: int) -> OptimizerSettings
     )
 
 
-def actor_token_budget(actor) -> TokenBudget | None:
-    """verl's use_dynamic_bsz for the actor's update: micro-batches by tokens, not sequences."""
-    return TokenBudget(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None
+def token_budget(use_dynamic_bsz: bool, max_tokens: int) -> TokenBudget | None:
+    """verl's use_dynamic_bsz: micro-batches by tokens, not sequences (trainer/workers/common.py)."""
+    return TokenBudget(max_tokens) if use_dynamic_bsz else None
 
 
-def log_prob_micro_batch(section, actor) -> MicroBatchSize | None:
-    """A log-prob pass's micro-batches (the rollout's old logprobs, the reference's): a token budget
-    with log_prob_use_dynamic_bsz, else log_prob_micro_batch_size_per_gpu; both default to the actor's."""
-    dynamic = section.log_prob_use_dynamic_bsz
-    if dynamic is None:
-        dynamic = actor.use_dynamic_bsz
-    if dynamic:
-        return TokenBudget(section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu)
-    return section.log_prob_micro_batch_size_per_gpu
-
-
-def critic_token_budgets(critic, actor) -> tuple[TokenBudget | None, TokenBudget | None]:
-    """(update, value forward) budgets with the critic's use_dynamic_bsz (default: the actor's)."""
-    dynamic = critic.use_dynamic_bsz
-    if dynamic is None:
-        dynamic = actor.use_dynamic_bsz
-    if not dynamic:
-        return None, None
-    forward = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
-    return TokenBudget(critic.ppo_max_token_len_per_gpu), TokenBudget(forward)
+def log_prob_micro_batch(section) -> MicroBatchSize:
+    """A log-prob pass's micro-batches (the rollout's old logprobs, the reference's)."""
+    budget = token_budget(section.log_prob_use_dynamic_bsz, section.log_prob_max_token_len_per_gpu)
+    return budget or section.log_prob_micro_batch_size_per_gpu
 
 
 def policy_loss_settings(actor) -> PolicyLossSettings:

@@ -577,28 +577,20 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 @contextmanager
 def profiled(log_dir: str, step: int, steps: Sequence[int] | None) -> Iterator[None]:
-    """torch.profiler around one training step when `step` is in `steps` (trainer.profile_steps).
-
-    Writes log_dir/profile/step_N.txt, the ops with the most self CPU time and (on a GPU) the most
-    device time, and step_N.json, a Chrome trace (chrome://tracing, ui.perfetto.dev). A step is an
-    await of the whole pipeline, so the profile shows where one step's time goes: kernels, host syncs,
-    allocator calls, Python between them.
-    """
+    """torch.profiler around one training step when `step` is in `steps` (trainer.profile_steps):
+    log_dir/profile/step_N.txt, the ops with the most self CPU and (on a GPU) device time, and
+    step_N.json, a Chrome trace (ui.perfetto.dev): kernels, host syncs, allocator calls, Python."""
     if not steps or step not in steps:
         yield
         return
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=False) as prof:
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
         yield
     folder = Path(log_dir) / "profile"
     folder.mkdir(parents=True, exist_ok=True)
-    averages = prof.key_averages()
-    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
-    if torch.cuda.is_available():
-        tables.append(averages.table(sort_by="self_device_time_total", row_limit=40))
+    sorts = ["self_cpu_time_total"] + ["self_device_time_total"] * gpu
+    tables = [prof.key_averages().table(sort_by=key, row_limit=40) for key in sorts]
     (folder / f"step_{step}.txt").write_text("\n\n".join(tables))
     prof.export_chrome_trace(str(folder / f"step_{step}.json"))

@@ -277,13 +277,14 @@ def test_grpo_qwen3_small(home):
 
 
 def test_dynamic_batch_keys_become_token_budgets(home):
-    from trainer.run import actor_token_budget, critic_token_budgets, log_prob_micro_batch
+    from trainer.run import log_prob_micro_batch
     from trainer.workers.common import TokenBudget
 
     base = argv_of(small(GRPO_QWEN3))
-    arr = load_config(base).actor_rollout_ref  # off by default: sequence counts
-    assert actor_token_budget(arr.actor) is None
-    assert log_prob_micro_batch(arr.rollout, arr.actor) == arr.rollout.log_prob_micro_batch_size_per_gpu
+    config = load_config(base)  # off by default: sequence counts
+    arr = config.actor_rollout_ref
+    assert not arr.actor.use_dynamic_bsz and not config.critic.use_dynamic_bsz
+    assert log_prob_micro_batch(arr.rollout) == arr.rollout.log_prob_micro_batch_size_per_gpu
     config = load_config(
         base
         + [
@@ -295,10 +296,10 @@ def test_dynamic_batch_keys_become_token_budgets(home):
     )
     arr = config.actor_rollout_ref
     assert config.no_effect_keys == []  # verl's keys act now
-    assert actor_token_budget(arr.actor) == TokenBudget(8000)
-    assert log_prob_micro_batch(arr.rollout, arr.actor) == TokenBudget(8000)  # the actor's, as verl
-    assert log_prob_micro_batch(arr.ref, arr.actor) == TokenBudget(24000)
-    assert critic_token_budgets(config.critic, arr.actor) == (None, None)
+    assert arr.actor.use_dynamic_bsz and arr.actor.ppo_max_token_len_per_gpu == 8000
+    assert log_prob_micro_batch(arr.rollout) == TokenBudget(8000)  # the actor's, as verl
+    assert log_prob_micro_batch(arr.ref) == TokenBudget(24000)
+    assert not config.critic.use_dynamic_bsz
 
 
 def test_main_ppo_dry_run_prints_resolved_config(home):

@@ -65,6 +65,11 @@ def fill_derived(config: Config) -> None:
     _adopt_global(actor, "ppo_micro_batch_size", world, per_gpu(actor.ppo_mini_batch_size * n, world))
     for section in (rollout, ref):
         _adopt_global(section, "log_prob_micro_batch_size", world, actor.ppo_micro_batch_size_per_gpu)
+        if section.log_prob_use_dynamic_bsz is None:
+            section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        section.log_prob_max_token_len_per_gpu = (
+            section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
+        )
     _fill_critic(config)
     if config.reward_model.mode == "auto":
         # verl scores in-process; a reward-server is used when one is configured (the job group does).
@@ -101,6 +106,12 @@ def _fill_critic(config: Config) -> None:
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
     critic.shuffle = actor.shuffle if critic.shuffle is None else critic.shuffle
     critic.loss_agg_mode = critic.loss_agg_mode or actor.loss_agg_mode
+    critic.use_dynamic_bsz = (
+        actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz
+    )
+    critic.forward_max_token_len_per_gpu = (
+        critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
+    )
     _adopt_global(critic, "ppo_micro_batch_size", world, per_gpu(critic.ppo_mini_batch_size * n, world))
     _adopt_global(critic, "forward_micro_batch_size", world, critic.ppo_micro_batch_size_per_gpu)
 
