@@ -171,7 +171,7 @@ def reference_rank_settings(cfg: Config, precision: Precision) -> ReferenceRankS
 
 
 def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> CriticRankSettings:
-    from trainer.run import optimizer_settings, token_budget
+    from trainer.run import optimizer_settings, token_budget, value_micro_batch
 
     critic = cfg.critic
     return CriticRankSettings(
@@ -190,8 +190,7 @@ def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> Criti
             loss_agg_mode=critic.loss_agg_mode,
             max_response_len=cfg.data.max_response_length,
         ),
-        forward_micro_batch_size=token_budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)
-        or critic.forward_micro_batch_size_per_gpu,
+        forward_micro_batch_size=value_micro_batch(critic),
     )
 
 

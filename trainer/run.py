@@ -352,8 +352,7 @@ def build_critic(cfg: Config, device: torch.device, precision: Precision, steps:
             loss_agg_mode=critic.loss_agg_mode,
             max_response_len=cfg.data.max_response_length,
         ),
-        forward_micro_batch_size=token_budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)
-        or critic.forward_micro_batch_size_per_gpu,
+        forward_micro_batch_size=value_micro_batch(critic),
         autocast_dtype=precision.autocast_dtype,
     )
 
@@ -388,6 +387,12 @@ def log_prob_micro_batch(section) -> MicroBatchSize:
     """A log-prob pass's micro-batches (the rollout's old logprobs, the reference's)."""
     budget = token_budget(section.log_prob_use_dynamic_bsz, section.log_prob_max_token_len_per_gpu)
     return budget or section.log_prob_micro_batch_size_per_gpu
+
+
+def value_micro_batch(critic) -> MicroBatchSize:
+    """The critic's value forwards (compute_values), as log_prob_micro_batch for the log-prob passes."""
+    budget = token_budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)
+    return budget or critic.forward_micro_batch_size_per_gpu
 
 
 def policy_loss_settings(actor) -> PolicyLossSettings:
