@@ -2,11 +2,16 @@
 
     python bench/actor_mfu.py [--seqs 32] [--response-len 256] [--json runs/actor_mfu.json]
     python bench/actor_mfu.py --smoke     # CPU, tiny model, tiny batch: proves the plumbing only
+    python bench/actor_mfu.py --only f32-compiled --profile runs/actor_mfu_profile.txt
+
+--profile: after timing, three more steps of each variant run under torch.profiler; the file gets
+the GPU time per step by kind of kernel (matmul, flash attention, Triton-fused, other) and the 25
+kernels that took longest, so "where the rest goes" is read, not guessed.
 
 Rows (median ms of several reps after warm-up; CUDA events on GPU, perf_counter on CPU):
 - gemm_ceiling: only the matmuls of one forward + backward at this token count, bf16 `@` on random
   tensors (per layer q/k/v/o, gate/up/down; the LM head over the response tokens, in the trainer's
-  1024-token chunks); backward = grad input + grad weight per forward matmul. The best the model path
+  2048-token chunks); backward = grad input + grad weight per forward matmul. The best the model path
   could do with perfect everything else.
 - model[...]: the trainer's own path, built as trainer/run.py builds a one-process policy (load_policy,
   use_packed_attention, compile_model, the fused LogprobHead), forward + response_logprobs + a
@@ -43,6 +48,8 @@ from trainer.packing import use_packed_attention
 from trainer.rollout.base import Rollout
 from trainer.tracking import peak_flops_per_gpu, training_flops
 from trainer.workers.common import OptimizerSettings, build_optimizer
+from trainer.compiling import CompiledOrEager
+from trainer.workers import logprobs
 from trainer.workers.logprobs import DEFAULT_LOGITS_CHUNK_SIZE, LogprobHead, response_logprobs
 
 # a constant LR: only the step's kernels matter here
@@ -120,7 +127,58 @@ def gemm_ceiling(config, tokens: int, response_tokens: int, device, timing) -> t
     return median_ms(run, device, *timing), flops
 
 
-def model_fwd_bwd(path, batch, *, device, param_dtype, compiled, checkpointing, timing, backend):
+KERNEL_KINDS = (  # substrings of CUDA kernel names -> what they are
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("flash attention", ("flash",)),
+    ("triton (fused by torch.compile)", ("triton",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in lowered for n in needles):
+            return kind
+    return "other"
+
+
+def profile_steps(step, steps: int = 3) -> str:
+    """GPU time a step by kernel kind, and the top kernels, over `steps` profiled calls of `step`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - began) * 1e3 / steps
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    launches = 0
+    for event in kernels:
+        by_kind[kernel_kind(event.key)] = by_kind.get(kernel_kind(event.key), 0.0) + event.device_time_total
+        launches += event.count
+    gpu_ms = sum(by_kind.values()) / 1e3 / steps
+    lines = [
+        f"wall {wall_ms:.1f} ms a step (under the profiler), GPU kernels {gpu_ms:.1f} ms, "
+        f"{launches / steps:.0f} kernels a step"
+    ]
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:<34} {us / 1e3 / steps:8.1f} ms")
+    lines.append("top kernels (ms a step, calls a step):")
+    for event in sorted(kernels, key=lambda e: -e.device_time_total)[:25]:
+        per_step_ms = event.device_time_total / 1e3 / steps
+        lines.append(f"  {per_step_ms:8.2f} {event.count // steps:6d}  {event.key[:100]}")
+    return "\n".join(lines)
+
+
+HEAD_CHUNK = [DEFAULT_LOGITS_CHUNK_SIZE]  # --head-chunk
+
+
+def model_fwd_bwd(
+    path, batch, *, device, param_dtype, compiled, checkpointing, timing, backend, profile=False
+):
     """(ms of forward + loss + backward, ms of one AdamW step, note) for the trainer's policy path."""
     model = load_policy(
         str(path), device=device, param_dtype=param_dtype, gradient_checkpointing=checkpointing
@@ -133,7 +191,7 @@ def model_fwd_bwd(path, batch, *, device, param_dtype, compiled, checkpointing, 
             model, device=device, dtype=None, autocast_dtype=torch.bfloat16, backend=backend
         )
         note = "" if compiled else "compile probe failed: eager"
-    head = LogprobHead(fused=True, compiled=compiled)
+    head = LogprobHead(chunk_size=HEAD_CHUNK[0], fused=True, compiled=compiled)
     mask = batch.response_mask
 
     def step() -> None:
@@ -145,6 +203,8 @@ def model_fwd_bwd(path, batch, *, device, param_dtype, compiled, checkpointing, 
         loss.backward()
 
     ms = median_ms(step, device, *timing)
+    if profile and device.type == "cuda":
+        note = note + "\n" + profile_steps(step)  # the caller splits the profile off at the first newline
     optimizer, _ = build_optimizer(model, ADAMW)
     optimizer_ms = median_ms(optimizer.step, device, *timing)  # the grads of the last step() stay
     return ms, optimizer_ms, note
@@ -162,8 +222,26 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated variants: ceiling, f32-eager, "
+        "f32-compiled, f32-ckpt, bf16-eager, bf16-compiled (default: all)",
+    )
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="kernel breakdown of each variant, to this file"
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch, 1+2 reps")
+    # A/B knobs of the fused logprob head (trainer/workers/logprobs.py)
+    parser.add_argument("--head-chunk", type=int, default=DEFAULT_LOGITS_CHUNK_SIZE, help="tokens a chunk")
+    parser.add_argument("--head-dynamic", choices=["auto", "true"], default="auto", help="compile dynamic=")
+    parser.add_argument("--head-accumulate", choices=["addmm", "cast"], default="addmm")
     args = parser.parse_args()
+    HEAD_CHUNK[0] = args.head_chunk
+    dynamic = None if args.head_dynamic == "auto" else True
+    logprobs._STATS = CompiledOrEager(logprobs.chunk_stats, dynamic=dynamic)
+    logprobs._LOGITS_GRAD = CompiledOrEager(logprobs.chunk_logits_grad, dynamic=dynamic)
+    logprobs._ADDMM_FP32[0] = args.head_accumulate == "addmm"
 
     if args.smoke:
         device, backend, timing = torch.device("cpu"), "eager", (1, 2)  # eager backend: no C++ compile
@@ -209,7 +287,10 @@ def main() -> None:
         ms, run_flops = gemm_ceiling(config, tokens, response_tokens, device, timing)
         return ms, f"matmuls run at {run_flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s"
 
-    record("gemm_ceiling", ceiling)
+    only = set(args.only.split(",")) if args.only else None
+    if only is None or "ceiling" in only:
+        record("gemm_ceiling", ceiling)
+    profiles = []
     optimizer_ms = {}
     f32, bf16 = torch.float32, torch.bfloat16  # (parameter dtype, compiled layers, gradient checkpointing):
     variants = [
@@ -220,10 +301,14 @@ def main() -> None:
         (bf16, True, False),
     ]
     for param_dtype, compiled, checkpointing in variants:
+        kind = "ckpt" if checkpointing else "compiled" if compiled else "eager"
+        short = f"{str(param_dtype)[6:].replace('float', 'f')}-{kind}"
+        if only is not None and short not in only:
+            continue
         name = f"model[{str(param_dtype)[6:]} params, {'compiled' if compiled else 'eager'}"
         name += ", grad ckpt]" if checkpointing else "]"
 
-        def run(param_dtype=param_dtype, compiled=compiled, checkpointing=checkpointing):
+        def run(param_dtype=param_dtype, compiled=compiled, checkpointing=checkpointing, name=name):
             ms, opt_ms, note = model_fwd_bwd(
                 path,
                 batch,
@@ -233,8 +318,12 @@ def main() -> None:
                 checkpointing=checkpointing,
                 timing=timing,
                 backend=backend,
+                profile=args.profile is not None,
             )
             optimizer_ms.setdefault(param_dtype, opt_ms)
+            if "\n" in note:  # the profile: to its file, not into the table
+                note, profile = note.split("\n", 1)
+                profiles.append(f"## {name} ({tokens} tokens)\n{profile}\n")
             return ms, note
 
         record(name, run)
@@ -250,6 +339,10 @@ def main() -> None:
         cells = [f"{r['ms']:.1f}" if r["ms"] else "-", f"{r['tflops']:.3g}" if r["tflops"] else "-"]
         cells.append(f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-")
         print(f"| {r['variant']} | {' | '.join(cells)} | {r['note']} |")
+    if args.profile:
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        args.profile.write_text("\n".join(profiles))
+        print("\n".join(profiles))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary = {"device": device_name, "tokens": tokens, "response_tokens": response_tokens}

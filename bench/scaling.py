@@ -380,7 +380,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response-length", type=int, default=256)
     # 64: at 32 the update is launch-bound at this size (MFU 13.6% on an H200; 25.9% at 64 on an H100)
-    parser.add_argument("--micro-batch-default", type=int, default=64, help="sequences per update forward")
+    parser.add_argument("--micro-batch-default", type=int, default=128, help="sequences per update forward")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", default=None, help="A/B: on,off (default: the config's, on)")
     parser.add_argument("--fused-head", default=None, help="A/B: on,off (model.use_fused_kernels)")

@@ -95,6 +95,7 @@ def ours(args: argparse.Namespace, model: Path, data: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [
         {"seconds": r["timing_s/step"], "tokens": r["perf/total_num_tokens"]}
+        | {k: r[k] for k in ("perf/mfu/actor", "timing_s/update_actor", "timing_s/gen") if k in r}
         for r in rows
         if "timing_s/step" in r
     ]
@@ -174,7 +175,18 @@ def summarise(result: dict) -> dict:
     measured = result["steps"][1:] or result["steps"]  # the first step warms up kernels and caches
     seconds = statistics.mean(s["seconds"] for s in measured)
     tokens = statistics.mean(s["tokens"] for s in measured)
-    return {**result, "mean_step_s": seconds, "mean_tokens": tokens, "tokens_per_s_per_gpu": tokens / seconds}
+    means = {
+        f"mean {key}": statistics.mean(s[key] for s in measured)
+        for key in ("perf/mfu/actor", "timing_s/update_actor", "timing_s/gen")
+        if all(key in s for s in measured)
+    }
+    return {
+        **result,
+        "mean_step_s": seconds,
+        "mean_tokens": tokens,
+        "tokens_per_s_per_gpu": tokens / seconds,
+        **means,
+    }
 
 
 def env() -> dict:
@@ -210,7 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--set", action="append", default=[], help="Our trainer's key=value (e.g. rollout.name), repeatable."
     )
-    parser.add_argument("--arm", choices=["trl"], default=None, help=argparse.SUPPRESS)  # the TRL child
+    # "trl": the TRL child process; "ours": our trainer alone (no TRL run, no ratio)
+    parser.add_argument("--arm", choices=["trl", "ours"], default=None)
     args = parser.parse_args(argv)
     if args.smoke:
         args.device, args.prompts, args.n, args.response_length, args.micro_batch = "cpu", 2, 2, 8, 2
@@ -233,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "trl.json").write_text(json.dumps(trl(args, model, data)))
         return 0
     results = {"ours": summarise(ours(args, model, data))}
+    if args.arm == "ours":
+        (args.out / "ours.json").write_text(json.dumps(results["ours"], indent=2))
+        print(json.dumps({k: v for k, v in results["ours"].items() if k != "steps"}))
+        return 0
     child = [sys.executable, str(Path(__file__).resolve()), "--arm", "trl", *(argv or sys.argv[1:])]
     with open(args.out / "trl.log", "w") as log:
         subprocess.run(child, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT, env=env())

@@ -35,17 +35,29 @@ log = logging.getLogger("trainer")
 
 
 class CompiledOrEager:
-    """`fn` through torch.compile (dynamic shapes); on the first failure, `fn` itself from then on."""
+    """`fn` through torch.compile; on the first failure, `fn` itself from then on.
 
-    def __init__(self, fn: Callable, *, enabled: bool = True, backend: str | Callable = "inductor") -> None:
-        self.fn, self.enabled, self.backend = fn, enabled, backend
+    dynamic: torch.compile's. True makes every dimension symbolic from the first call; None ("automatic")
+    compiles the first shapes statically and makes symbolic only the dimensions seen to change, so a
+    dimension that never changes (the vocabulary) stays a constant the kernels are tuned for.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        enabled: bool = True,
+        backend: str | Callable = "inductor",
+        dynamic: bool | None = True,
+    ) -> None:
+        self.fn, self.enabled, self.backend, self.dynamic = fn, enabled, backend, dynamic
         self._compiled: Callable | None = None
 
     def __call__(self, *args, **kwargs):
         if not self.enabled:
             return self.fn(*args, **kwargs)
         if self._compiled is None:
-            self._compiled = torch.compile(self.fn, dynamic=True, backend=self.backend)
+            self._compiled = torch.compile(self.fn, dynamic=self.dynamic, backend=self.backend)
         try:
             return self._compiled(*args, **kwargs)
         except torch.OutOfMemoryError:

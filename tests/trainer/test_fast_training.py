@@ -21,7 +21,14 @@ from trainer.fsdp import decoder_layers
 from trainer.model import load_policy
 from trainer.packing import use_packed_attention
 from trainer.rollout.base import Rollout
-from trainer.workers.logprobs import LogprobHead, chunk_logits_grad, chunk_stats, response_logprobs
+from trainer.workers import logprobs
+from trainer.workers.logprobs import (
+    LogprobHead,
+    add_weight_grad,
+    chunk_logits_grad,
+    chunk_stats,
+    response_logprobs,
+)
 
 VOCAB = 100
 FUSED, PLAIN = LogprobHead(chunk_size=5), LogprobHead(chunk_size=5, fused=False)
@@ -152,3 +159,33 @@ def test_compiled_decoder_layers_give_the_eager_forward_and_backward(base_model)
     torch.testing.assert_close(results[1][2], results[0][2], atol=1e-6, rtol=1e-4)
     # the state dict keeps its names (checkpoints, the engine's weight sync)
     assert compiled.state_dict().keys() == eager.state_dict().keys()
+
+
+def test_weight_grad_accumulates_as_the_fp32_sum_of_products():
+    """CPU: product, cast, add (the path every device can take)."""
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(16, 40, generator=gen).bfloat16() for _ in range(3)]
+    hidden = [torch.randn(16, 8, generator=gen).bfloat16() for _ in range(3)]
+    total = torch.zeros(40, 8)
+    for g, h in zip(grads, hidden):
+        total = add_weight_grad(total, g, h)
+    expected = sum(g.float().T @ h.float() for g, h in zip(grads, hidden))
+    assert total.dtype == torch.float32
+    torch.testing.assert_close(total, expected, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.gpu
+def test_weight_grad_accumulates_in_the_matmul_on_cuda():
+    """CUDA: addmm(out_dtype=float32) accumulates the bf16 products in fp32, closer to the fp32 sum than
+    the bf16 product rounded before its cast."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    grads = [torch.randn(1024, 4096, device="cuda", generator=gen).bfloat16() for _ in range(4)]
+    hidden = [torch.randn(1024, 256, device="cuda", generator=gen).bfloat16() for _ in range(4)]
+    total = torch.zeros(4096, 256, device="cuda")
+    for g, h in zip(grads, hidden):
+        total = add_weight_grad(total, g, h)
+    assert logprobs._ADDMM_FP32[0], "torch has no addmm(out_dtype=float32) here: the slow path ran"
+    expected = sum(g.float().T @ h.float() for g, h in zip(grads, hidden))
+    rounded = sum((g.T @ h).float() for g, h in zip(grads, hidden))
+    assert (total - expected).abs().max() <= (rounded - expected).abs().max()
+    torch.testing.assert_close(total, expected, atol=0.05, rtol=0.01)
