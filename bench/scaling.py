@@ -10,7 +10,8 @@ Each case is one `python -m trainer.main_ppo` run on a randomly initialised mode
 (a random model rarely stops early), GRPO with a KL loss against a reference model, one optimizer step
 per batch, rewards in-process: Ray ranks with FSDP2 (bf16 compute, fp32 master weights), packed
 micro-batches, and on every GPU the rollout engine next to the policy (rollout.name=builtin by default).
-It reports the last step's (the first is warm-up: compilation, CUDA graphs, Triton kernels):
+It reports the mean over the steps after the first (the first is warm-up: compilation, CUDA graphs,
+Triton kernels):
 
     timing_s/* (gen, old_log_prob, ref, update_actor, update_weights, step), perf/throughput (tokens/s
     per GPU), perf/mfu/actor, perf/max_memory_allocated_gb (largest rank), and the weak-scaling
@@ -68,6 +69,10 @@ OPTIONS = {  # --option value -> config overrides
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={2 * int(size)}",
     ],
     "engine": lambda name: [f"actor_rollout_ref.rollout.name={name}"],
+    "gathers": lambda dtype: [  # fsdp_config.mixed_precision.param_dtype of the policy and the reference
+        f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={dtype}",
+        f"actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype={dtype}",
+    ],
 }
 SWITCHES = {"on": "true", "off": "false"}
 
@@ -195,10 +200,17 @@ def run_command(args, case: Case, model: Path, data: Path, run_dir: Path, extra:
 
 
 def summarise(run_dir: Path) -> dict[str, float]:
-    """The last logged step's reported metrics (the earlier ones are warm-up)."""
+    """The mean of each reported metric over the logged steps after the first (warm-up); with one step,
+    that step's. Peak memory is the largest."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     steps = [m for m in map(json.loads, lines) if "timing_s/step" in m]
-    return {key: steps[-1][key] for key in REPORTED if key in steps[-1]} if steps else {}
+    measured = steps[1:] or steps
+    out = {}
+    for key in REPORTED:
+        values = [m[key] for m in measured if key in m]
+        if values:
+            out[key] = max(values) if key.startswith("perf/max_memory") else sum(values) / len(values)
+    return out
 
 
 # ------------------------------------------------------------------------------ one Ray cluster for all
@@ -351,7 +363,7 @@ def print_table(args, cases: list[Case]) -> None:
     width = max(14, *(len(c.label) + 2 for c in shown))
     print(
         f"\nGRPO step per GPU: {args.prompts_per_gpu} prompts x n={args.n}, responses <= "
-        f"{args.response_length} tokens; the last of {args.steps} steps (the first is warm-up)"
+        f"{args.response_length} tokens; the mean of steps 2-{args.steps} (the first is warm-up)"
     )
     print(f"  {'metric':<30}" + "".join(f"{c.label:>{width}}" for c in shown))
     for key in REPORTED:
@@ -386,6 +398,7 @@ def main() -> None:
     parser.add_argument("--fused-head", default=None, help="A/B: on,off (model.use_fused_kernels)")
     parser.add_argument("--micro-batch", default=None, help="A/B: e.g. 32,64 (sequences per GPU)")
     parser.add_argument("--engine", default=None, help="A/B: builtin,hf (rollout.name)")
+    parser.add_argument("--gathers", default=None, help="A/B: bf16,fp32 (fsdp mixed_precision.param_dtype)")
     parser.add_argument(
         "--ab-gpus", default=None, help="GPU counts of the non-main variants (default: fewest)"
     )

@@ -203,15 +203,18 @@ def model_settings(
     model, fsdp, precision: Precision, *, trainable: bool = True, compile: bool = False
 ) -> ModelSettings:
     """actor_rollout_ref.model / critic.model and their fsdp_config, for every rank (compile: on CUDA)."""
+    # bf16 gathers: bf16 compute on the gathered parameters where the single process would autocast to
+    # bf16; fp32 gathers: the single process's way, fp32 parameters under autocast
+    fp32_gathers = fsdp.mixed_precision.param_dtype in ("fp32", "float32")
     return ModelSettings(
         path=model.path,
         trust_remote_code=bool(model.trust_remote_code),
         gradient_checkpointing=trainable and bool(model.enable_gradient_checkpointing),
         remove_padding=bool(model.use_remove_padding),
         compile=compile,
+        autocast_dtype=precision.autocast_dtype if fp32_gathers else None,
         fsdp=FSDPSettings(
-            # bf16 compute on gathered parameters where the single process would autocast to bf16
-            param_dtype=precision.autocast_dtype,
+            param_dtype=None if fp32_gathers else precision.autocast_dtype,
             reshard_after_forward=bool(fsdp.reshard_after_forward),
             offload_policy=bool(fsdp.offload_policy),
             param_offload=bool(fsdp.param_offload),

@@ -4,9 +4,10 @@ rollout engine, and sharded checkpoints that resume on any number of ranks.
 Sharding (`shard_model`): each decoder layer is one FSDP unit, the root (embeddings, final norm, LM
 head) another, as verl and torchtitan do. Mixed precision is FSDP2's `MixedPrecisionPolicy`: the
 fp32 parameter shards are the master weights the optimizer updates; each unit's parameters are cast to
-bf16 when gathered for compute, and gradients are reduced in fp32. Gradients are SUMMED across ranks
-(divide factor 1), because each rank's loss is already its share of the global loss (see
-trainer/distributed.py).
+bf16 when gathered for compute (or, with verl's `mixed_precision.param_dtype: fp32`, gathered in fp32
+and computed under bf16 autocast, as one process does), and gradients are reduced in fp32. Gradients
+are SUMMED across ranks (divide factor 1), because each rank's loss is already its share of the global
+loss (see trainer/distributed.py).
 
 Offload (verl's `fsdp_config` keys):
 - `offload_policy`: FSDP2's CPUOffloadPolicy: parameter shards, gradients and the optimizer step live

@@ -302,6 +302,32 @@ def test_dynamic_batch_keys_become_token_budgets(home):
     assert not config.critic.use_dynamic_bsz
 
 
+def test_fsdp_mixed_precision_picks_what_parameters_are_gathered_in(home):
+    import torch
+
+    from trainer.cluster import model_settings
+    from trainer.model import Precision
+
+    gpu = Precision(param_dtype=torch.float32, autocast_dtype=torch.bfloat16)
+    base = argv_of(small(GRPO_QWEN3))
+    arr = load_config(base).actor_rollout_ref  # verl's default: bf16 gathers, no autocast needed
+    settings = model_settings(arr.model, arr.actor.fsdp_config, gpu)
+    assert settings.fsdp.param_dtype == torch.bfloat16 and settings.autocast_dtype is None
+    fp32 = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"
+    config = load_config(
+        base + [fp32, "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32"]
+    )
+    assert config.no_effect_keys == []  # verl's key acts now
+    arr = config.actor_rollout_ref
+    settings = model_settings(arr.model, arr.actor.fsdp_config, gpu)
+    assert settings.fsdp.param_dtype is None and settings.autocast_dtype == torch.bfloat16
+    assert settings.compute_dtype == torch.bfloat16  # what the engine and HF exports get
+    reference = model_settings(arr.model, arr.ref.fsdp_config, gpu, trainable=False)  # its own key
+    assert reference.fsdp.param_dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="mixed_precision.param_dtype"):
+        load_config(base + ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=int8"])
+
+
 def test_main_ppo_dry_run_prints_resolved_config(home):
     argv = argv_of(small(GRPO_QWEN3)) + ["--dry-run"]
     env = {**os.environ, "HOME": str(home)}

@@ -14,10 +14,10 @@ _REF_AND_ACTOR = """
     ulysses_sequence_parallel_size entropy_from_logits_with_chunking entropy_checkpointing
     profiler router_replay rollout_n strategy
 """
-# fsdp_config keys of verl's FSDP (1 and 2) that change nothing here: one unit per decoder layer, fp32
-# master weights and bf16 compute on GPU are fixed (trainer/fsdp.py)
+# fsdp_config keys of verl's FSDP (1 and 2) that change nothing here: one unit per decoder layer and fp32
+# master weights are fixed (trainer/fsdp.py)
 _FSDP = """
-    wrap_policy fsdp_size forward_prefetch model_dtype use_orig_params grad_offload mixed_precision dtype
+    wrap_policy fsdp_size forward_prefetch model_dtype use_orig_params grad_offload dtype
     strategy seed full_determinism entropy_from_logits_with_chunking entropy_checkpointing forward_only
     ulysses_sequence_parallel_size use_torch_compile
 """

@@ -68,7 +68,7 @@ def notices(config: Config) -> list[str]:
 
 
 def one_process_offloads(config: Config) -> list[str]:
-    """The fsdp_config offload keys set in a run without Ray, where nothing is sharded or offloaded."""
+    """The fsdp_config keys set in a run without Ray, where nothing is sharded, gathered or offloaded."""
     if config.uses_ray:
         return []
     arr = config.actor_rollout_ref
@@ -78,7 +78,12 @@ def one_process_offloads(config: Config) -> list[str]:
         "critic.model.fsdp_config": config.critic.model.fsdp_config,
     }
     keys = ("param_offload", "optimizer_offload", "offload_policy")
-    return [f"{prefix}.{key}" for prefix, fsdp in sections.items() for key in keys if getattr(fsdp, key)]
+    found = [f"{prefix}.{key}" for prefix, fsdp in sections.items() for key in keys if getattr(fsdp, key)]
+    return found + [
+        f"{prefix}.mixed_precision.param_dtype"
+        for prefix, fsdp in sections.items()
+        if fsdp.mixed_precision.param_dtype not in ("bf16", "bfloat16")
+    ]
 
 
 # ---------------------------------------------------------------------------------------- batch sizes

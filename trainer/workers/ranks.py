@@ -57,7 +57,14 @@ class ModelSettings:
     gradient_checkpointing: bool = False
     remove_padding: bool = False  # pack each micro-batch's sequences (trainer/packing.py)
     compile: bool = False  # torch.compile the decoder layers on CUDA (trainer/compiling.py)
+    # autocast of the role's passes: set when FSDP gathers fp32 parameters (fsdp.param_dtype None) and
+    # the compute is bf16 all the same, as in one process
+    autocast_dtype: torch.dtype | None = None
     fsdp: FSDPSettings = dataclasses.field(default_factory=FSDPSettings)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.fsdp.param_dtype or self.autocast_dtype or torch.float32
 
 
 def _loaded(loader: Callable, settings: ModelSettings, device: torch.device, **extra):
@@ -74,7 +81,13 @@ def _loaded(loader: Callable, settings: ModelSettings, device: torch.device, **e
         use_packed_attention(model)
     if settings.compile and device.type == "cuda":
         trains = any(p.requires_grad for p in model.parameters())
-        compile_model(model, device=device, dtype=settings.fsdp.param_dtype, train=trains)
+        compile_model(
+            model,
+            device=device,
+            dtype=settings.fsdp.param_dtype,
+            autocast_dtype=settings.autocast_dtype,
+            train=trains,
+        )
     return model
 
 
@@ -152,7 +165,7 @@ class PolicyRank(_Checkpointed):
         self.engine = _colocated_engine(settings, model, device) if settings.engine is not None else None
         model = shard_model(model, dp, settings.model.fsdp, device)
         self.dp, self.device, self.hf_source = dp, device, settings.model.path
-        self.compute_dtype = settings.model.fsdp.param_dtype or torch.float32
+        self.compute_dtype = settings.model.compute_dtype
         self.trained = Policy(
             model,
             settings.optim,
@@ -160,6 +173,7 @@ class PolicyRank(_Checkpointed):
             settings.loss,
             temperature=settings.temperature,
             log_prob_micro_batch_size=settings.log_prob_micro_batch_size,
+            autocast_dtype=settings.model.autocast_dtype,
             head=settings.head,
             dp=dp,
         )
@@ -252,6 +266,7 @@ class ReferenceRank:
             model,
             temperature=settings.temperature,
             micro_batch_size=settings.micro_batch_size,
+            autocast_dtype=settings.model.autocast_dtype,
             head=settings.head,
             dp=dp,
         )
@@ -294,6 +309,7 @@ class CriticRank(_Checkpointed):
             per_rank(settings.update, dp.world_size),
             settings.loss,
             forward_micro_batch_size=settings.forward_micro_batch_size,
+            autocast_dtype=settings.model.autocast_dtype,
             dp=dp,
         )
         self.offloader = Offloader(model, self.trained.optimizer, settings.model.fsdp, device)
