@@ -83,7 +83,7 @@ def create_app(settings: DataServerSettings | None = None, store: DataStore | No
 
     app = create_service_app("data-server", settings, load=load, description=__doc__ or "")
 
-    def get_store(state=Depends(require_ready)) -> DataStore:
+    async def get_store(state=Depends(require_ready)) -> DataStore:
         return state.store
 
     @app.post("/v1/batches", response_model=BatchResponse, tags=["data"], responses=BATCH_RESPONSES)

@@ -189,7 +189,7 @@ def create_app(settings: RetrievalServerSettings | None = None) -> FastAPI:
 
     app = create_service_app("retrieval-server", settings, load=load, close=close, description=__doc__ or "")
 
-    def get_state(state=Depends(require_ready)):
+    async def get_state(state=Depends(require_ready)):
         return state
 
     @app.post(

@@ -252,7 +252,7 @@ def create_app(settings: RewardServerSettings | None = None, scorer: LocalScorer
     app = create_service_app("reward-server", settings, load=load, close=close, description=__doc__ or "")
     metrics = ScoringMetrics(app.state.metrics.registry, app)
 
-    def get_scorer(state=Depends(require_ready)) -> LocalScorer:
+    async def get_scorer(state=Depends(require_ready)) -> LocalScorer:
         return state.scorer
 
     big_parses = asyncio.Semaphore(1)  # bounds the memory of large uploads being parsed at once
