@@ -181,12 +181,17 @@ async def _load_in_background(app: FastAPI, load: Loader | None) -> None:
             server.should_exit = True
 
 
-async def require_ready(request: Request) -> Any:
-    """Dependency for routes that need loaded resources: 503 until the load finished. async: FastAPI
-    runs a plain `def` dependency in its thread pool, a thread hand-off per request on the hot path."""
+def ready_state(request: Request) -> Any:
+    """The app's loaded state, for routes that need it: 503 until the load finished."""
     if not request.app.state.ready:
         raise ApiError(503, f"{request.app.state.service} is still loading; poll GET /health")
     return request.app.state
+
+
+async def require_ready(request: Request) -> Any:
+    """`ready_state` as a dependency. async: FastAPI runs a plain `def` dependency in its thread pool,
+    a thread hand-off per request on the hot path."""
+    return ready_state(request)
 
 
 class DrainingServer(uvicorn.Server):

@@ -20,7 +20,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.app import create_service_app, require_ready
+from services.common.app import create_service_app, ready_state
 from services.common.errors import ApiError
 from services.common.settings import ServiceSettings, add_settings_arguments, settings_from_namespace
 from trainer.rollout.protocol import (
@@ -100,7 +100,7 @@ router = APIRouter()
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request, body: GenerateRequest) -> Response:
-    replica = require_ready(request).replica
+    replica = ready_state(request).replica
     outputs = await _answer(replica.generate(body))
     return Response(
         orjson.dumps(outputs[0] if body.is_single and len(outputs) == 1 else outputs),
@@ -112,7 +112,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
 async def update_weights_from_disk(
     request: Request, body: UpdateWeightsFromDiskRequest
 ) -> UpdateWeightsResponse:
-    replica = require_ready(request).replica
+    replica = ready_state(request).replica
     await _answer(
         replica.update_weights_from_disk(
             body.model_path, load_format=body.load_format, weight_version=body.weight_version
@@ -125,7 +125,7 @@ async def update_weights_from_disk(
 async def update_weights_from_tensor(
     request: Request, body: UpdateWeightsFromTensorRequest
 ) -> UpdateWeightsResponse:
-    replica = require_ready(request).replica
+    replica = ready_state(request).replica
     await _answer(
         replica.update_weights_from_serialized(
             body.serialized_named_tensors,
@@ -138,7 +138,7 @@ async def update_weights_from_tensor(
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> PlainTextResponse:
-    await require_ready(request).replica.flush_cache()
+    await ready_state(request).replica.flush_cache()
     return PlainTextResponse("Cache flushed.\n")
 
 
@@ -146,26 +146,26 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 async def release_memory_occupation(
     request: Request, body: MemoryOccupationRequest | None = Body(None)
 ) -> None:
-    await _answer(require_ready(request).replica.release_memory_occupation(body.tags if body else None))
+    await _answer(ready_state(request).replica.release_memory_occupation(body.tags if body else None))
 
 
 @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
 async def resume_memory_occupation(
     request: Request, body: MemoryOccupationRequest | None = Body(None)
 ) -> None:
-    await _answer(require_ready(request).replica.resume_memory_occupation(body.tags if body else None))
+    await _answer(ready_state(request).replica.resume_memory_occupation(body.tags if body else None))
 
 
 @router.get("/get_model_info")
 @router.get("/model_info")
 async def model_info(request: Request) -> dict:
-    return require_ready(request).replica.model_info()
+    return ready_state(request).replica.model_info()
 
 
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(request: Request) -> dict:
-    return require_ready(request).replica.server_info()
+    return ready_state(request).replica.server_info()
 
 
 async def _answer(awaitable):
