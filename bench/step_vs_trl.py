@@ -52,6 +52,9 @@ def prepare(out: Path, gsm8k: Path, smoke: bool) -> tuple[Path, Path]:
     return model, data
 
 
+OUR_METRICS = ("perf/mfu/actor", "timing_s/update_actor", "timing_s/gen")  # our trainer's, averaged too
+
+
 def ours(args: argparse.Namespace, model: Path, data: Path) -> dict:
     run = args.out / "ours"
     command = [
@@ -95,7 +98,7 @@ def ours(args: argparse.Namespace, model: Path, data: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [
         {"seconds": r["timing_s/step"], "tokens": r["perf/total_num_tokens"]}
-        | {k: r[k] for k in ("perf/mfu/actor", "timing_s/update_actor", "timing_s/gen") if k in r}
+        | {k: r[k] for k in OUR_METRICS if k in r}
         for r in rows
         if "timing_s/step" in r
     ]
@@ -177,7 +180,7 @@ def summarise(result: dict) -> dict:
     tokens = statistics.mean(s["tokens"] for s in measured)
     means = {
         f"mean {key}": statistics.mean(s[key] for s in measured)
-        for key in ("perf/mfu/actor", "timing_s/update_actor", "timing_s/gen")
+        for key in OUR_METRICS
         if all(key in s for s in measured)
     }
     return {

@@ -205,7 +205,7 @@ def model_settings(
     """actor_rollout_ref.model / critic.model and their fsdp_config, for every rank (compile: on CUDA)."""
     # bf16 gathers: bf16 compute on the gathered parameters where the single process would autocast to
     # bf16; fp32 gathers: the single process's way, fp32 parameters under autocast
-    fp32_gathers = fsdp.mixed_precision.param_dtype in ("fp32", "float32")
+    fp32_gathers = fsdp.mixed_precision.fp32_gathers
     return ModelSettings(
         path=model.path,
         trust_remote_code=bool(model.trust_remote_code),

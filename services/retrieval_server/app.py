@@ -189,16 +189,13 @@ def create_app(settings: RetrievalServerSettings | None = None) -> FastAPI:
 
     app = create_service_app("retrieval-server", settings, load=load, close=close, description=__doc__ or "")
 
-    async def get_state(state=Depends(require_ready)):
-        return state
-
     @app.post(
         "/retrieve",
         response_model=RetrieveResponse,
         tags=["retrieval"],
         responses={413: {"description": "Too many queries."}},
     )
-    async def retrieve(request: Request, state=Depends(get_state)) -> Response:
+    async def retrieve(request: Request, state=Depends(require_ready)) -> Response:
         """Search-R1 / verl SearchTool protocol: per query, the topk passages (with scores if asked)."""
         job = parse_request(await request.body(), settings)
         retriever: Retriever = state.retriever

@@ -82,7 +82,7 @@ def one_process_offloads(config: Config) -> list[str]:
     return found + [
         f"{prefix}.mixed_precision.param_dtype"
         for prefix, fsdp in sections.items()
-        if fsdp.mixed_precision.param_dtype not in ("bf16", "bfloat16")
+        if fsdp.mixed_precision.fp32_gathers
     ]
 
 

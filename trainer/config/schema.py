@@ -122,6 +122,10 @@ class MixedPrecisionConfig(Section):
         "fp32", description="Buffers (rotary frequencies) stay fp32 (the only choice here)."
     )
 
+    @property
+    def fp32_gathers(self) -> bool:
+        return self.param_dtype in ("fp32", "float32")
+
 
 class FSDPConfig(Section):
     """verl's `fsdp_config`: where a role's FSDP2 shards live (multi-GPU runs: trainer/fsdp.py)."""
