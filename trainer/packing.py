@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
 from dataclasses import dataclass
 
 import torch
@@ -205,13 +206,110 @@ def register_packed_attention() -> str:
     return PACKED_ATTENTION
 
 
-def use_packed_attention(model) -> None:
-    """Switch a loaded model (all its sub-configs) to the packed attention implementation."""
+def use_packed_attention(model, *, token_major: bool = True) -> None:
+    """Switch a loaded model (all its sub-configs) to the packed attention implementation, and (unless
+    `token_major` is off: benchmarks compare) give its attention modules the token-major packed forward
+    (`token_major_attention`) where their layout allows."""
     name = register_packed_attention()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
     else:  # older transformers
         model.config._attn_implementation = name
+    for module in model.modules():
+        if token_major and _token_major_capable(module):
+            module.forward = types.MethodType(token_major_attention, module)
+
+
+# ------------------------------------------------------------------------------ token-major attention
+#
+# Hugging Face attention modules turn the projections into head-major [1, H, N, D] views before the
+# rotary embedding, which writes q and k head-major. The packed kernel wants token-major [N, H, D], and
+# in the compiled decoder layers the attention call is a graph break: the compiled half before it returns
+# q, k, v head-major, and its backward is handed the gradients coerced to that layout. On a bf16 FSDP
+# rank that cost a transposing copy and a slow fused copy + bias-gradient reduction per layer (~2 ms of
+# a layer's backward on an H100, a fifth of the actor update). Packed forwards keep everything token-major
+# instead: the projections' [N, H*D] rows are viewed as [N, H, D], rotated in place of the layout, and
+# handed to the kernel as they are, so neither direction transposes. Other calls (a KV cache, a padded
+# batch, the rollout's decoding) take the module's own forward.
+
+_TOKEN_MAJOR_TYPES = ("Qwen2Attention", "LlamaAttention", "Qwen3Attention")
+_CACHE_KEYS = ("past_key_values", "past_key_value", "cache")
+
+
+def _token_major_capable(module) -> bool:
+    """Attention modules whose forward is exactly: q/k/v projections (optionally per-head q/k norms),
+    half-split rotary embedding on all of head_dim, attention, o projection."""
+    return type(module).__name__ in _TOKEN_MAJOR_TYPES and all(
+        hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+    )
+
+
+def rotate_token_major(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The half-split rotary embedding (Llama / Qwen) of x [N, H, D]; cos, sin [1, N, D]."""
+    cos, sin = cos[0, :, None], sin[0, :, None]
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class _AddBias(torch.autograd.Function):
+    """y + bias, whose bias gradient (the sum of the output gradient over tokens) is a matmul with a row
+    of ones. In compiled backward graphs that sum became a Triton reduction over ~24k packed tokens into
+    128 outputs (a key / value projection's bias), which the compiler did not split across the GPU:
+    ~0.6 ms a layer on an H100 where cuBLAS takes microseconds."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, bias: Tensor) -> Tensor:
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rows = grad.reshape(-1, grad.shape[-1])
+        return grad, (rows.new_ones(1, rows.shape[0]) @ rows).view(-1)
+
+
+def project(linear, x: Tensor) -> Tensor:
+    """linear(x) for an nn.Linear, its bias added by `_AddBias`; other modules (adapters) are called."""
+    if type(linear) is not torch.nn.Linear or linear.bias is None:
+        return linear(x)
+    y = F.linear(x, linear.weight)
+    return _AddBias.apply(y, linear.bias.to(y.dtype))
+
+
+def token_major_attention(
+    self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, **kwargs
+):
+    """A packed forward of a Llama / Qwen attention module in the token-major layout; the module's
+    own forward for anything else."""
+    cached = any(kwargs.get(key) is not None for key in _CACHE_KEYS)
+    if (
+        kwargs.get("cu_seq_lens_q") is None
+        or cached
+        or position_embeddings is None
+        or hidden_states.shape[0] != 1
+        or getattr(self, "sliding_window", None) is not None
+    ):
+        return type(self).forward(
+            self,
+            hidden_states=hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+    tokens = hidden_states.shape[1]
+    shape = (tokens, -1, self.head_dim)  # [N, H, D]: views of the projections' rows, no copies
+    query = project(self.q_proj, hidden_states).view(shape)
+    key = project(self.k_proj, hidden_states).view(shape)
+    value = project(self.v_proj, hidden_states).view(shape)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+        query, key = self.q_norm(query), self.k_norm(key)
+    cos, sin = position_embeddings
+    query, key = rotate_token_major(query, cos, sin), rotate_token_major(key, cos, sin)
+    out = _packed_kernel_call(query, key, value, kwargs, self.scaling)  # [N, H, D]
+    return self.o_proj(out.view(1, tokens, -1)), None
+
+
+# a graph break in compiled layers, as the registered attention function is
+_packed_kernel_call = torch.compiler.disable(varlen_causal_attention)
 
 
 def is_packed(model) -> bool:

@@ -97,6 +97,63 @@ def test_packed_forward_matches_the_padded_one(model_dir):
     assert not torch.allclose(whole.last_hidden_state[0, -3:], packed[-3:], atol=1e-3)
 
 
+def _family_model(family: str):
+    """A tiny randomly initialised model of each attention family the token-major forward covers."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    )  # fmt: skip
+    config_class, model_class = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),  # SmolLM2's architecture
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),  # per-head q/k norms before the rotation
+    }[family]
+    torch.manual_seed(5)
+    return model_class(config_class(**shape)).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_token_major_packed_attention_matches_the_modules_own_forward(family):
+    # use_packed_attention gives Llama/Qwen attention modules a forward that stays token-major (no
+    # head-major transposes around the graph break of compiled layers); it must compute what the
+    # module's own forward computes through the packed attention function, values and gradients.
+    from trainer.packing import token_major_attention
+
+    batch = _batch(seed=1)
+    results = {}
+    for variant in ("own", "token_major"):
+        model = _family_model(family)
+        backbone, _ = backbone_and_head(model)
+        use_packed_attention(model)
+        attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+        assert attention and all(m.forward.__func__ is token_major_attention for m in attention)
+        if variant == "own":
+            for module in attention:
+                del module.forward
+        hidden, _ = response_hidden_states(backbone, batch, remove_padding=True)
+        hidden.square().mean().backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        results[variant] = hidden.detach(), grads
+    (own, own_grads), (token_major, token_major_grads) = results["own"], results["token_major"]
+    torch.testing.assert_close(token_major, own, atol=1e-5, rtol=1e-5)
+    assert (
+        own_grads.keys() == token_major_grads.keys() and "model.layers.0.self_attn.q_proj.weight" in own_grads
+    )
+    for name, expected in own_grads.items():
+        torch.testing.assert_close(token_major_grads[name], expected, atol=1e-5, rtol=1e-4, msg=name)
+    # and the padded forward with a KV cache (the hf rollout's decoding) still takes the module's own path
+    model = _family_model(family)
+    use_packed_attention(model)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    greedy = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    reference = _family_model(family).generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(greedy, reference)
+
+
 def test_sharded_checkpoint_round_trip_in_one_process(model_dir, tmp_path):
     model = load_policy(str(model_dir))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
