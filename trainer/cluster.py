@@ -203,8 +203,10 @@ def model_settings(
     model, fsdp, precision: Precision, *, trainable: bool = True, compile: bool = False
 ) -> ModelSettings:
     """actor_rollout_ref.model / critic.model and their fsdp_config, for every rank (compile: on CUDA)."""
-    # bf16 gathers: bf16 compute on the gathered parameters where the single process would autocast to
-    # bf16; fp32 gathers: the single process's way, fp32 parameters under autocast
+    # bf16 gathers: bf16 parameters, fp32 gathers: the single process's fp32 parameters; both computed
+    # under the single process's bf16 autocast (norms, softmax and the rotary embedding in fp32). Without
+    # autocast, bf16 ranks ran the compiled rotary embedding ~10x slower (0.5 ms a layer on an H100:
+    # bench/actor_mfu.py, fsdp-compiled against fsdp-autocast-compiled)
     fp32_gathers = fsdp.mixed_precision.fp32_gathers
     return ModelSettings(
         path=model.path,
@@ -212,7 +214,7 @@ def model_settings(
         gradient_checkpointing=trainable and bool(model.enable_gradient_checkpointing),
         remove_padding=bool(model.use_remove_padding),
         compile=compile,
-        autocast_dtype=precision.autocast_dtype if fp32_gathers else None,
+        autocast_dtype=precision.autocast_dtype,
         fsdp=FSDPSettings(
             param_dtype=None if fp32_gathers else precision.autocast_dtype,
             reshard_after_forward=bool(fsdp.reshard_after_forward),

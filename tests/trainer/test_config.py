@@ -310,9 +310,9 @@ def test_fsdp_mixed_precision_picks_what_parameters_are_gathered_in(home):
 
     gpu = Precision(param_dtype=torch.float32, autocast_dtype=torch.bfloat16)
     base = argv_of(small(GRPO_QWEN3))
-    arr = load_config(base).actor_rollout_ref  # verl's default: bf16 gathers, no autocast needed
+    arr = load_config(base).actor_rollout_ref  # verl's default: bf16 gathers (computed under autocast)
     settings = model_settings(arr.model, arr.actor.fsdp_config, gpu)
-    assert settings.fsdp.param_dtype == torch.bfloat16 and settings.autocast_dtype is None
+    assert settings.fsdp.param_dtype == torch.bfloat16 and settings.autocast_dtype == torch.bfloat16
     fp32 = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"
     config = load_config(
         base + [fp32, "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32"]

@@ -111,9 +111,10 @@ class MixedPrecisionConfig(Section):
 
     param_dtype: Literal["bf16", "bfloat16", "fp32", "float32"] = Field(
         "bf16",
-        description="What FSDP gathers parameters in. bf16 (verl's default): a bf16 copy of each layer, "
-        "half the gather traffic. fp32: the fp32 shards themselves, computed under bf16 autocast as one "
-        "process does (slightly slower at 0.5B on one H100: actor MFU 31.6% against 33.0%).",
+        description="What FSDP gathers parameters in, computed under bf16 autocast either way, as one "
+        "process computes. bf16 (verl's default): a bf16 copy of each layer, half the gather traffic. "
+        "fp32: the fp32 shards themselves (slightly slower at 0.5B on one H100: actor MFU 31.6% against "
+        "33.0%).",
     )
     reduce_dtype: Literal["fp32", "float32"] = Field(
         "fp32", description="Gradients are reduced across ranks in fp32 (the only choice here)."

@@ -57,8 +57,7 @@ class ModelSettings:
     gradient_checkpointing: bool = False
     remove_padding: bool = False  # pack each micro-batch's sequences (trainer/packing.py)
     compile: bool = False  # torch.compile the decoder layers on CUDA (trainer/compiling.py)
-    # autocast of the role's passes: set when FSDP gathers fp32 parameters (fsdp.param_dtype None) and
-    # the compute is bf16 all the same, as in one process
+    # autocast of the role's passes (bf16 on GPUs, as in one process), whatever dtype FSDP gathers in
     autocast_dtype: torch.dtype | None = None
     fsdp: FSDPSettings = dataclasses.field(default_factory=FSDPSettings)
 
