@@ -27,6 +27,7 @@ took only this row's time. For gemm_ceiling the note gives the FLOP/s of the mat
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -43,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 from testing.tiny import make_tiny_model, qwen25_05b_config, tiny_qwen2_config
 from trainer.batch import TrainBatch
 from trainer.compiling import compile_model
+from trainer.distributed import DataParallel
+from trainer.fsdp import FSDPSettings, full_tensor, shard_model
 from trainer.model import autocast, load_policy
 from trainer.packing import use_packed_attention
 from trainer.rollout.base import Rollout
@@ -176,37 +179,75 @@ def profile_steps(step, steps: int = 3) -> str:
 HEAD_CHUNK = [DEFAULT_LOGITS_CHUNK_SIZE]  # --head-chunk
 
 
+def one_rank_process_group(device) -> None:
+    """torch.distributed with one rank (FSDP2 needs a process group even then)."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
 def model_fwd_bwd(
-    path, batch, *, device, param_dtype, compiled, checkpointing, timing, backend, profile=False
-):
-    """(ms of forward + loss + backward, ms of one AdamW step, note) for the trainer's policy path."""
+    path, batch, *, device, param_dtype, compiled, checkpointing, timing, backend, profile=False,
+    token_major=True,
+):  # fmt: skip
+    """(ms of forward + loss + backward, ms of one AdamW step, note) for the trainer's policy path.
+
+    param_dtype "fsdp": as a Ray policy rank holds it (trainer/workers/ranks.py): fp32 on the CPU,
+    compiled for bf16 compute, FSDP2-sharded over a one-rank process group (bf16 gathers, fp32
+    reduction), and no autocast."""
+    sharded = param_dtype.startswith("fsdp") if isinstance(param_dtype, str) else False
     model = load_policy(
-        str(path), device=device, param_dtype=param_dtype, gradient_checkpointing=checkpointing
+        str(path),
+        device="cpu" if sharded else device,
+        param_dtype=torch.float32 if sharded else param_dtype,
+        gradient_checkpointing=checkpointing,
     )
-    use_packed_attention(model)
+    use_packed_attention(model, token_major=token_major)
     note = ""
+    # fsdp-autocast: the rank's compute under bf16 autocast as one process runs it (fp32 norms, softmax)
+    autocast_dtype = None if param_dtype in ("fsdp", "fsdp-keep") else torch.bfloat16
     if compiled:
         # trainer/run.py: compile_model(..., dtype=None, autocast_dtype=precision.autocast_dtype)
         compiled = compile_model(
-            model, device=device, dtype=None, autocast_dtype=torch.bfloat16, backend=backend
+            model,
+            device=device,
+            dtype=torch.bfloat16 if sharded else None,
+            autocast_dtype=autocast_dtype,
+            backend=backend,
         )
         note = "" if compiled else "compile probe failed: eager"
+    if sharded:
+        one_rank_process_group(device)
+        # fsdp-keep: gathered parameters kept from forward to backward (reshard_after_forward=False)
+        keep = param_dtype == "fsdp-keep"
+        settings = FSDPSettings(param_dtype=torch.bfloat16, reshard_after_forward=not keep)
+        shard_model(model, DataParallel(), settings, device)
     head = LogprobHead(chunk_size=HEAD_CHUNK[0], fused=True, compiled=compiled)
     mask = batch.response_mask
 
     def step() -> None:
         model.zero_grad(set_to_none=True)  # the first micro-batch of a mini-batch: grads are assigned
-        with autocast(device, torch.bfloat16):
+        with autocast(device, autocast_dtype):
             # as Policy.train_mini_batch: entropy for the metric, no entropy gradient (entropy_coeff 0)
             out = response_logprobs(model, batch, with_entropy=True, entropy_grad=False, head=head)
         loss = -(out.logprobs * mask).sum() / mask.sum()
         loss.backward()
 
     ms = median_ms(step, device, *timing)
-    if profile and device.type == "cuda":
-        note = note + "\n" + profile_steps(step)  # the caller splits the profile off at the first newline
+    profiled = profile_steps(step) if profile and device.type == "cuda" else None
     optimizer, _ = build_optimizer(model, ADAMW)
     optimizer_ms = median_ms(optimizer.step, device, *timing)  # the grads of the last step() stay
+    # the global grad norm as clip_and_step takes it (FSDP: over DTensors, then gathered)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    clip_ms = median_ms(lambda: full_tensor(torch.nn.utils.clip_grad_norm_(trainable, 1e9)), device, *timing)
+    note = f"{note} grad-norm {clip_ms:.1f} ms".strip()
+    if profiled:
+        note = note + "\n" + profiled  # the caller splits the profile off at the first newline
     return ms, optimizer_ms, note
 
 
@@ -233,6 +274,12 @@ def main() -> None:
     )
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch, 1+2 reps")
     # A/B knobs of the fused logprob head (trainer/workers/logprobs.py)
+    parser.add_argument(
+        "--attention",
+        default="token-major",
+        help="comma-separated: token-major (the trainer's packed attention forward), own (the module's "
+        "own forward: head-major q/k/v around the attention call), for an A/B",
+    )
     parser.add_argument("--head-chunk", type=int, default=DEFAULT_LOGITS_CHUNK_SIZE, help="tokens a chunk")
     parser.add_argument("--head-dynamic", choices=["auto", "true"], default="auto", help="compile dynamic=")
     parser.add_argument("--head-accumulate", choices=["addmm", "cast"], default="addmm")
@@ -299,16 +346,25 @@ def main() -> None:
         (f32, False, True),
         (bf16, False, False),
         (bf16, True, False),
+        ("fsdp", True, False),  # a Ray policy rank's model: FSDP2 over one rank, bf16 gathers
+        ("fsdp-autocast", True, False),
+        ("fsdp-keep", True, False),
     ]
-    for param_dtype, compiled, checkpointing in variants:
+    layouts = [mode == "token-major" for mode in args.attention.split(",")]
+    for (param_dtype, compiled, checkpointing), token_major in itertools.product(variants, layouts):
         kind = "ckpt" if checkpointing else "compiled" if compiled else "eager"
-        short = f"{str(param_dtype)[6:].replace('float', 'f')}-{kind}"
+        dtype_name = param_dtype if isinstance(param_dtype, str) else str(param_dtype)[6:]
+        short = f"{dtype_name.replace('float', 'f')}-{kind}"
         if only is not None and short not in only:
             continue
-        name = f"model[{str(param_dtype)[6:]} params, {'compiled' if compiled else 'eager'}"
-        name += ", grad ckpt]" if checkpointing else "]"
+        name = f"model[{dtype_name} params, {'compiled' if compiled else 'eager'}"
+        name += ", grad ckpt" if checkpointing else ""
+        name += "]" if token_major else ", HF attention layout]"
 
-        def run(param_dtype=param_dtype, compiled=compiled, checkpointing=checkpointing, name=name):
+        def run(
+            param_dtype=param_dtype, compiled=compiled, checkpointing=checkpointing, name=name,
+            token_major=token_major,
+        ):  # fmt: skip
             ms, opt_ms, note = model_fwd_bwd(
                 path,
                 batch,
@@ -319,6 +375,7 @@ def main() -> None:
                 timing=timing,
                 backend=backend,
                 profile=args.profile is not None,
+                token_major=token_major,
             )
             optimizer_ms.setdefault(param_dtype, opt_ms)
             if "\n" in note:  # the profile: to its file, not into the table
@@ -328,7 +385,8 @@ def main() -> None:
 
         record(name, run)
     for param_dtype, ms in optimizer_ms.items():
-        record(f"adamw_step[{str(param_dtype)[6:]} params]", lambda ms=ms: (ms, "once per mini-batch"), False)
+        label = param_dtype if isinstance(param_dtype, str) else str(param_dtype)[6:]
+        record(f"adamw_step[{label} params]", lambda ms=ms: (ms, "once per mini-batch"), False)
 
     print(
         f"\n{device_name}, {seqs} sequences, {tokens} tokens ({response_tokens} response), "

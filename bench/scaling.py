@@ -201,12 +201,14 @@ def run_command(args, case: Case, model: Path, data: Path, run_dir: Path, extra:
 
 def summarise(run_dir: Path) -> dict[str, float]:
     """The mean of each reported metric over the logged steps after the first (warm-up); with one step,
-    that step's. Peak memory is the largest."""
+    that step's. Peak memory is the largest. Every other timing_s/* key goes into results.json too (not
+    the table), so a step's time not in the reported phases (reward, advantages, the driver) can be read."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     steps = [m for m in map(json.loads, lines) if "timing_s/step" in m]
     measured = steps[1:] or steps
+    timings = sorted({key for m in measured for key in m if key.startswith("timing_s/")})
     out = {}
-    for key in REPORTED:
+    for key in [*REPORTED, *(k for k in timings if k not in REPORTED)]:
         values = [m[key] for m in measured if key in m]
         if values:
             out[key] = max(values) if key.startswith("perf/max_memory") else sum(values) / len(values)
