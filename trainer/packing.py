@@ -225,9 +225,9 @@ def use_packed_attention(model, *, token_major: bool = True) -> None:
 # Hugging Face attention modules turn the projections into head-major [1, H, N, D] views before the
 # rotary embedding, which writes q and k head-major. The packed kernel wants token-major [N, H, D], and
 # in the compiled decoder layers the attention call is a graph break: the compiled half before it returns
-# q, k, v head-major, and its backward is handed the gradients coerced to that layout. On a bf16 FSDP
-# rank that cost a transposing copy and a slow fused copy + bias-gradient reduction per layer (~2 ms of
-# a layer's backward on an H100, a fifth of the actor update). Packed forwards keep everything token-major
+# q, k, v head-major, and its backward is handed the gradients coerced to that layout. With bf16
+# parameters that cost transposing copies and a slow fused copy + bias-gradient reduction per layer
+# (0.6-2.2 ms of a layer's backward on H100s; BENCHMARKS.md). Packed forwards keep everything token-major
 # instead: the projections' [N, H*D] rows are viewed as [N, H, D], rotated in place of the layout, and
 # handed to the kernel as they are, so neither direction transposes. Other calls (a KV cache, a padded
 # batch, the rollout's decoding) take the module's own forward.
