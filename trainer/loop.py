@@ -101,7 +101,7 @@ async def train(run: Run) -> dict[str, float]:
         while step < run.total_steps:
             step += 1
             cursor_before_step = run.source.state()
-            with profiled(cfg.trainer.log_dir, step, cfg.trainer.profile_steps):
+            with profiled(cfg.trainer.log_dir, step, cfg.trainer.profile_steps, run.role_groups()):
                 metrics = await train_step(run, step)
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)

@@ -114,6 +114,12 @@ class Run:
     tracker: Tracker | None = None
     last_saved_step: int = 0
 
+    def role_groups(self) -> list:
+        """The Ray role groups (policy, reference, critic) that exist; none in one process."""
+        if self.groups is None:
+            return []
+        return [g for g in (self.groups.policy, self.groups.reference, self.groups.critic) if g is not None]
+
     @property
     def needs_old_logprobs(self) -> bool:
         """Whether a step computes the policy's logprobs before its update.

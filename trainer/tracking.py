@@ -576,21 +576,37 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 
 @contextmanager
-def profiled(log_dir: str, step: int, steps: Sequence[int] | None) -> Iterator[None]:
+def profiled(log_dir: str, step: int, steps: Sequence[int] | None, groups: Sequence = ()) -> Iterator[None]:
     """torch.profiler around one training step when `step` is in `steps` (trainer.profile_steps):
     log_dir/profile/step_N.txt, the ops with the most self CPU and (on a GPU) device time, and
-    step_N.json, a Chrome trace (ui.perfetto.dev): kernels, host syncs, allocator calls, Python."""
+    step_N.json, a Chrome trace (ui.perfetto.dev): kernels, host syncs, allocator calls, Python.
+    `groups` (Ray role groups) profile their ranks over the same step: step_N_<role>_rank<R>.txt/.json
+    in log_dir/profile on each rank's node."""
     if not steps or step not in steps:
         yield
         return
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    gpu = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
-        yield
     folder = Path(log_dir) / "profile"
+    for group in groups:
+        group.start_profile()
+    with profile(activities=profiler_activities()) as prof:
+        yield
+    for group in groups:
+        group.stop_profile(str(folder), f"step_{step}_{group.role_name}")
+    write_profile(prof, folder, f"step_{step}")
+
+
+def profiler_activities() -> list:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+
+
+def write_profile(prof, folder: Path, name: str) -> None:
+    """name.txt (top ops by self CPU time, and by device time on a GPU) and name.json (Chrome trace)."""
     folder.mkdir(parents=True, exist_ok=True)
-    sorts = ["self_cpu_time_total"] + ["self_device_time_total"] * gpu
+    sorts = ["self_cpu_time_total"] + ["self_device_time_total"] * torch.cuda.is_available()
     tables = [prof.key_averages().table(sort_by=key, row_limit=40) for key in sorts]
-    (folder / f"step_{step}.txt").write_text("\n\n".join(tables))
-    prof.export_chrome_trace(str(folder / f"step_{step}.json"))
+    (folder / f"{name}.txt").write_text("\n\n".join(tables))
+    prof.export_chrome_trace(str(folder / f"{name}.json"))

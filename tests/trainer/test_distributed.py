@@ -463,11 +463,18 @@ def test_fit_on_two_ranks_generates_with_their_builtin_engines(cluster, model_di
     cfg = load_config(
         fit_args(model_dir, gsm8k_files, tmp_path, steps=2, ranks=2)
         + ["reward_model.mode=local", "trainer.save_freq=-1", "actor_rollout_ref.rollout.name=builtin"]
+        + ["trainer.profile_steps=[2]"]  # and the profiler reaching into the ranks
     )
     assert cfg.actor_rollout_ref.rollout.engine == "builtin"
     asyncio.run(_fit(cfg))
     steps = logged_steps(tmp_path)
     assert sorted(steps) == [1, 2]
+    profiles = tmp_path / "run" / "profile"
+    expected = {"step_2"} | {f"step_2_{role}_rank{r}" for role in ("policy", "reference") for r in (0, 1)}
+    assert {p.name.removesuffix(".txt") for p in profiles.glob("*.txt")} == expected
+    assert {p.name.removesuffix(".json") for p in profiles.glob("*.json")} == expected
+    # a policy rank's table holds its update: the backward ran inside the profiled step
+    assert "backward" in (profiles / "step_2_policy_rank1.txt").read_text().lower()
     for metrics in steps.values():
         assert metrics["training/rollout_probs_diff_max"] < 1e-3
         assert metrics["timing_s/update_weights"] > 0

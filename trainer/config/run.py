@@ -95,9 +95,10 @@ class TrainerConfig(Section):
     rollout_data_dir: str | None = Field(None, description="Folder for JSONL dumps of every step's rollouts.")
     profile_steps: list[int] | None = Field(
         None,
-        description="Steps to run under torch.profiler (this process: the whole step in a one-process "
-        "run, the driver only with Ray): log_dir/profile/step_N.txt (top ops by CPU and by device time) "
-        "and step_N.json (a Chrome trace).",
+        description="Steps to run under torch.profiler: log_dir/profile/step_N.txt (top ops by CPU and "
+        "by device time) and step_N.json (a Chrome trace) of this process (the whole step in one "
+        "process, the driver with Ray), and with Ray step_N_<role>_rank<R>.txt/.json of every rank "
+        "(written on the rank's node).",
     )
 
     _loggers = field_validator("logger", mode="before")(_one_or_many)

@@ -26,12 +26,14 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.batch import TrainBatch
 from trainer.distributed import NCCL_ENV, Scatter, free_port, init_data_parallel
+from trainer.tracking import profiler_activities, write_profile
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +175,7 @@ class RankActor:
     def __init__(self, rank: int, world_size: int, use_gpu: bool, seed: int) -> None:
         self.rank, self.world_size, self.use_gpu, self.seed = rank, world_size, use_gpu, seed
         self.role = None
+        self.profiler = None
 
     def node_address(self) -> tuple[str, int]:
         import ray
@@ -196,6 +199,19 @@ class RankActor:
 
     def call(self, method: str, *args, **kwargs):
         return getattr(self.role, method)(*args, **kwargs)
+
+    def start_profile(self) -> None:
+        """torch.profiler from now until stop_profile (trainer.profile_steps reaching into the ranks)."""
+        from torch.profiler import profile
+
+        self.profiler = profile(activities=profiler_activities())
+        self.profiler.__enter__()
+
+    def stop_profile(self, folder: str, name: str) -> None:
+        """Stop the profiler; write folder/<name>_rank<R>.txt and .json on this rank's node."""
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        write_profile(profiler, Path(folder), f"{name}_rank{self.rank}")
 
     def node_id(self) -> str:
         import ray
@@ -247,6 +263,12 @@ class RoleGroup:
         per_rank_args = per_rank_args or [()] * self.world_size
         refs = [actor.call.remote(method, *args, **kwargs) for actor, args in zip(self.actors, per_rank_args)]
         return self._wait(refs, method)
+
+    def start_profile(self) -> None:
+        self._wait([actor.start_profile.remote() for actor in self.actors], "start_profile")
+
+    def stop_profile(self, folder: str, name: str) -> None:
+        self._wait([actor.stop_profile.remote(folder, name) for actor in self.actors], "stop_profile")
 
     def _wait(self, refs: list, what: str) -> list:
         """ray.get that fails fast: the first rank to fail stops the group instead of leaving peers hung."""
