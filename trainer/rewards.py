@@ -38,9 +38,20 @@ class Scores:
     errors: int  # items the scorer could not score (score 0)
 
 
+def decode_responses(tokenizer, ids: list[list[int]]) -> list[str]:
+    """tokenizer.batch_decode(ids, skip_special_tokens=True), in one call to a fast tokenizer's Rust
+    backend where that is the same text (no clean-up of tokenization spaces): it decodes the batch on
+    all cores, where batch_decode goes one sequence at a time (1,024 x 256 Qwen tokens: 92 against 150 ms
+    on 2 cores). The driver decodes every rollout of a step, so this grows with the GPU count."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return backend.decode_batch(ids, skip_special_tokens=True)
+
+
 def reward_items(prompts: Sequence[PromptRecord], rollouts: Sequence[Rollout], tokenizer) -> list[dict]:
     """Reward-server items: the decoded response plus the prompt's reward fields."""
-    texts = tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+    texts = decode_responses(tokenizer, [r.response_ids for r in rollouts])
     items = []
     for rollout, text in zip(rollouts, texts, strict=True):
         prompt = prompts[rollout.prompt_index]

@@ -148,3 +148,21 @@ def test_sampling_params_follow_rollout_and_val_kwargs():
     assert (train.temperature, train.n, train.top_k, train.max_new_tokens) == (0.7, 4, 20, 64)
     val = sampling_params(rollout, 64, validation=True)
     assert (val.temperature, val.n) == (0.0, 1)  # verl's default val_kwargs: greedy, one sample
+
+
+@pytest.mark.parametrize("kind", ["qwen", "char"])
+def test_responses_decode_in_one_backend_call_as_batch_decode_would(kind):
+    # the driver decodes every rollout of a step (trainer/rewards.py): in one call to the fast tokenizer's
+    # backend, which must give batch_decode's text exactly, special tokens (the EOS) dropped
+    from testing.tiny import load_tiny_tokenizer
+    from trainer.rewards import decode_responses
+
+    tokenizer = load_tiny_tokenizer(kind)
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, len(tokenizer), (n,), generator=generator).tolist() for n in (1, 7, 40)]
+    ids[1][-1] = tokenizer.eos_token_id
+    ids.append(tokenizer("12 + 30 = 42. #### 42", add_special_tokens=False)["input_ids"])
+    texts = decode_responses(tokenizer, ids)
+    assert texts == tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert texts[-1] == "12 + 30 = 42. #### 42"
+    assert tokenizer.decode([tokenizer.eos_token_id]) not in texts[1]
