@@ -179,6 +179,11 @@ def profile_steps(step, steps: int = 3) -> str:
 HEAD_CHUNK = [DEFAULT_LOGITS_CHUNK_SIZE]  # --head-chunk
 
 
+def dtype_label(param_dtype) -> str:
+    """A variant's parameter name in the table: "float32", "bfloat16", or an FSDP variant's own name."""
+    return param_dtype if isinstance(param_dtype, str) else str(param_dtype).removeprefix("torch.")
+
+
 def one_rank_process_group(device) -> None:
     """torch.distributed with one rank (FSDP2 needs a process group even then)."""
     import os
@@ -353,7 +358,7 @@ def main() -> None:
     layouts = [mode == "token-major" for mode in args.attention.split(",")]
     for (param_dtype, compiled, checkpointing), token_major in itertools.product(variants, layouts):
         kind = "ckpt" if checkpointing else "compiled" if compiled else "eager"
-        dtype_name = param_dtype if isinstance(param_dtype, str) else str(param_dtype)[6:]
+        dtype_name = dtype_label(param_dtype)
         short = f"{dtype_name.replace('float', 'f')}-{kind}"
         if only is not None and short not in only:
             continue
@@ -385,8 +390,9 @@ def main() -> None:
 
         record(name, run)
     for param_dtype, ms in optimizer_ms.items():
-        label = param_dtype if isinstance(param_dtype, str) else str(param_dtype)[6:]
-        record(f"adamw_step[{label} params]", lambda ms=ms: (ms, "once per mini-batch"), False)
+        record(
+            f"adamw_step[{dtype_label(param_dtype)} params]", lambda ms=ms: (ms, "once per mini-batch"), False
+        )
 
     print(
         f"\n{device_name}, {seqs} sequences, {tokens} tokens ({response_tokens} response), "
