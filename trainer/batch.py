@@ -166,9 +166,23 @@ class TrainBatch:
         return dataclasses.replace(self, **trimmed)
 
     def to(self, device: torch.device | str) -> TrainBatch:
+        """The batch on `device`, except the lengths: they stay on the host, where micro-batches are
+        trimmed and packed (trainer/packing.py) from them without waiting for the device."""
         moved = {
-            f.name: getattr(self, f.name).to(device)
+            f.name: to_device(getattr(self, f.name), device)
             for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), Tensor)
+            if isinstance(getattr(self, f.name), Tensor) and f.name not in HOST_FIELDS
         }
         return dataclasses.replace(self, **moved)
+
+
+HOST_FIELDS = ("prompt_lengths", "response_lengths")
+
+
+def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """`tensor` on `device`. From the host to a GPU the copy goes through pinned memory without blocking:
+    a pageable copy waits for all the work already queued on the device (a sync per tensor)."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

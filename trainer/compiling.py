@@ -212,13 +212,13 @@ def compile_model(
 
 def probe_inputs(model: nn.Module) -> dict:
     """A two-sequence micro-batch in the layout the model trains on (packed when set up for it)."""
-    from trainer.packing import is_packed, pack
+    from trainer.packing import is_packed, mask_spans, pack
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 11, 12, 13, 14]])
     mask = (ids != 0).long()
     device = next(model.parameters()).device
     if is_packed(model):
-        kwargs = pack(ids, mask).model_kwargs()
+        kwargs = pack(ids, *mask_spans(mask)).model_kwargs()
     else:
         kwargs = {
             "input_ids": ids,

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer.batch import to_device
+
 log = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "packed_varlen"
@@ -44,7 +46,7 @@ class Packed:
     position_ids: Tensor  # [1, N], restarting at 0 for every sequence
     cu_seq_lens: Tensor  # [B+1] int32, sequence boundaries in the packed row
     max_length: int  # the longest sequence
-    index: Tensor  # [B, L] the packed position of each real token of the padded layout, -1 on padding
+    offsets: Tensor  # [B+1] int64 on the host: cu_seq_lens, for planning gathers from the packed row
 
     def model_kwargs(self) -> dict:
         """What the model's forward takes to run packed."""
@@ -58,25 +60,44 @@ class Packed:
         }
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor) -> Packed:
-    """Pack rows whose real tokens are contiguous (left-padded prompt, right-padded response)."""
-    real = attention_mask.bool()
-    lengths = real.sum(dim=1)
-    if bool((lengths == 0).any()):
+def pack(input_ids: Tensor, starts: Tensor, lengths: Tensor) -> Packed:
+    """Pack each row's real tokens, input_ids[b, starts[b] : starts[b] + lengths[b]], into one row.
+
+    starts and lengths ([B] integers) are read on the host: the layout is planned on the CPU and only
+    index tensors go to the device, so packing a micro-batch on a GPU never waits for the GPU (the
+    boolean-mask indexing this replaced synchronised several times a micro-batch).
+    """
+    starts, lengths = starts.cpu().long(), lengths.cpu().long()
+    if bool((lengths <= 0).any()):
         raise ValueError("cannot pack a row without real tokens")
-    total = int(lengths.sum())
-    index = torch.full_like(input_ids, -1)
-    index[real] = torch.arange(total, device=input_ids.device)
-    starts = torch.cumsum(lengths, dim=0) - lengths
-    positions = torch.arange(total, device=input_ids.device) - torch.repeat_interleave(starts, lengths)
-    cu_seq_lens = F.pad(torch.cumsum(lengths, dim=0), (1, 0)).to(torch.int32)
+    rows, width = input_ids.shape
+    row_of = torch.repeat_interleave(torch.arange(rows), lengths)
+    offsets = F.pad(torch.cumsum(lengths, dim=0), (1, 0))
+    positions = torch.arange(int(offsets[-1])) - offsets[row_of]
+    source = row_of * width + starts[row_of] + positions  # each packed token's place in input_ids.view(-1)
+    device = input_ids.device
     return Packed(
-        input_ids=input_ids[real][None],
-        position_ids=positions[None],
-        cu_seq_lens=cu_seq_lens,
+        input_ids=input_ids.reshape(-1).index_select(0, to_device(source, device))[None],
+        position_ids=to_device(positions, device)[None],
+        cu_seq_lens=to_device(offsets.to(torch.int32), device),
         max_length=int(lengths.max()),
-        index=index,
+        offsets=offsets,
     )
+
+
+def pack_batch(batch) -> Packed:
+    """pack() of a TrainBatch: row b's real tokens start at P - prompt_length[b] (left-padded prompt)."""
+    return pack(
+        batch.input_ids,
+        batch.prompt_width - batch.prompt_lengths.cpu(),
+        batch.prompt_lengths.cpu() + batch.response_lengths.cpu(),
+    )
+
+
+def mask_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(starts, lengths) of contiguous real tokens from a host attention mask [B, L], for pack()."""
+    mask = attention_mask.cpu().bool()
+    return mask.int().argmax(dim=1), mask.sum(dim=1)
 
 
 # ------------------------------------------------------------------------------ the attention function
@@ -320,23 +341,59 @@ def is_packed(model) -> bool:
 # ------------------------------------------------------------------------------ hidden states of responses
 
 
-def response_hidden_states(backbone, batch, *, remove_padding: bool) -> tuple[Tensor, Tensor]:
-    """Hidden states [N_resp, H] at the positions that predict the batch's real response tokens, and the
-    [B, T] mask of those tokens (their order: row-major over the mask).
+@dataclass(frozen=True)
+class ResponseTokens:
+    """Where a batch's real response tokens sit in its response-aligned [B, T] layout (row-major order),
+    planned on the host from the response lengths: gathers and scatters by index, never by a boolean
+    mask (which would wait for the device to count it)."""
 
-    Position P-1+t predicts response token t. Packed: the backbone sees only real tokens.
+    shape: tuple[int, int]  # (B, T)
+    rows: Tensor  # [N] host: each token's row
+    columns: Tensor  # [N] host: its column t < response_lengths[row]
+    flat: Tensor  # [N] rows * T + columns, on the batch's device
+
+    @classmethod
+    def of(cls, batch) -> ResponseTokens:
+        response_lengths = batch.response_lengths.cpu().long()
+        rows = torch.repeat_interleave(torch.arange(len(response_lengths)), response_lengths)
+        starts = F.pad(torch.cumsum(response_lengths, dim=0), (1, 0))
+        columns = torch.arange(len(rows)) - starts[rows]
+        shape = (len(batch), batch.response_width)
+        return cls(shape, rows, columns, to_device(rows * shape[1] + columns, batch.input_ids.device))
+
+    def take(self, values: Tensor) -> Tensor:
+        """[B, T] -> [N]: the values at the real response tokens."""
+        return values.reshape(-1).index_select(0, self.flat)
+
+    def place(self, values: Tensor) -> Tensor:
+        """[N] -> [B, T]: the values at the real response tokens, 0 elsewhere (differentiable)."""
+        zeros = values.new_zeros(self.shape[0] * self.shape[1])
+        return zeros.index_copy(0, self.flat, values).view(self.shape)
+
+
+def response_hidden_states(backbone, batch, *, remove_padding: bool) -> tuple[Tensor, ResponseTokens]:
+    """Hidden states [N_resp, H] at the positions that predict the batch's real response tokens, and
+    where those tokens are (`ResponseTokens`, in the same order).
+
+    Position P-1+t predicts response token t; packed, row b's position P-1+t is its packed position
+    offsets[b] + prompt_length[b] - 1 + t (the backbone sees only real tokens).
     """
-    prompt_width, response_width = batch.prompt_width, batch.response_width
-    real = batch.attention_mask[:, prompt_width:].bool()
+    tokens = ResponseTokens.of(batch)
+    prompt_lengths = batch.prompt_lengths.cpu().long()
+    if bool((prompt_lengths[tokens.rows] < 1).any()):
+        raise ValueError("a response needs a prompt of at least one token to be predicted from")
+    device = batch.input_ids.device
     if remove_padding:
-        packed = pack(batch.input_ids, batch.attention_mask)
+        packed = pack_batch(batch)
         hidden = backbone(**packed.model_kwargs(), use_cache=False).last_hidden_state[0]
-        predicting = packed.index[:, prompt_width - 1 : prompt_width - 1 + response_width][real]
-        return hidden[predicting], real
+        predicting = packed.offsets[tokens.rows] + prompt_lengths[tokens.rows] - 1 + tokens.columns
+        return hidden.index_select(0, to_device(predicting, device)), tokens
     hidden = backbone(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
     ).last_hidden_state
-    return hidden[:, prompt_width - 1 : prompt_width - 1 + response_width][real], real
+    prompt_width, (rows, width) = batch.prompt_width, tokens.shape
+    predicting = hidden[:, prompt_width - 1 : prompt_width - 1 + width].reshape(rows * width, -1)
+    return predicting.index_select(0, tokens.flat), tokens

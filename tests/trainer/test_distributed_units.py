@@ -10,7 +10,14 @@ from trainer.batch import TrainBatch
 from trainer.distributed import SINGLE_PROCESS, Scatter, balanced_partition, shard_rows
 from trainer.fsdp import buckets, iter_full_state, load_full_model_state, load_sharded, save_sharded
 from trainer.model import backbone_and_head, load_policy
-from trainer.packing import pack, response_hidden_states, use_packed_attention
+from trainer.packing import (
+    ResponseTokens,
+    mask_spans,
+    pack,
+    pack_batch,
+    response_hidden_states,
+    use_packed_attention,
+)
 from trainer.rollout.base import Rollout
 
 
@@ -67,13 +74,35 @@ def _batch(seed: int, rows: int = 5) -> TrainBatch:
 
 def test_pack_lays_real_tokens_in_one_row_with_restarting_positions():
     input_ids = torch.tensor([[0, 0, 7, 8, 9, 0], [0, 5, 6, 4, 0, 0]])
-    attention_mask = (input_ids != 0).long()
-    packed = pack(input_ids, attention_mask)
+    starts, lengths = mask_spans((input_ids != 0).long())
+    assert starts.tolist() == [2, 1] and lengths.tolist() == [3, 3]
+    packed = pack(input_ids, starts, lengths)
     assert packed.input_ids.tolist() == [[7, 8, 9, 5, 6, 4]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
-    assert packed.cu_seq_lens.tolist() == [0, 3, 6]
+    assert packed.cu_seq_lens.tolist() == [0, 3, 6] and packed.cu_seq_lens.dtype == torch.int32
     assert packed.max_length == 3
-    assert packed.index.tolist() == [[-1, -1, 0, 1, 2, -1], [-1, 3, 4, 5, -1, -1]]
+    with pytest.raises(ValueError, match="without real tokens"):
+        pack(input_ids, torch.tensor([2, 0]), torch.tensor([3, 0]))
+
+
+def test_a_batch_is_packed_and_its_responses_found_from_its_host_lengths():
+    # the layout is planned from the lengths (no boolean mask on the device): it must be the one the
+    # attention mask describes
+    batch = _batch(seed=4)
+    packed = pack_batch(batch)
+    real = batch.attention_mask.bool()
+    assert packed.input_ids[0].tolist() == batch.input_ids[real].tolist()
+    assert packed.position_ids[0].tolist() == batch.position_ids[real].tolist()
+    tokens = ResponseTokens.of(batch)
+    response_mask = batch.attention_mask[:, batch.prompt_width :].bool()
+    assert tokens.take(batch.responses).tolist() == batch.responses[response_mask].tolist()
+    values = torch.arange(1.0, tokens.flat.numel() + 1, requires_grad=True)
+    placed = tokens.place(values)
+    assert placed[response_mask].tolist() == values.tolist() and placed[~response_mask].eq(0).all()
+    placed.sum().backward()
+    assert values.grad.eq(1).all()
+    # lengths stay on the host when the batch moves: micro-batches are planned without the device
+    assert batch.to("cpu").prompt_lengths is batch.prompt_lengths
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +116,20 @@ def test_packed_forward_matches_the_padded_one(model_dir):
     model = load_policy(str(model_dir))
     backbone, _ = backbone_and_head(model)
     batch = _batch(seed=0)
-    padded, mask = response_hidden_states(backbone, batch, remove_padding=False)
+    padded, tokens = response_hidden_states(backbone, batch, remove_padding=False)
+    # the padded path's rows are the hidden states at P-1+t of each real response token t
+    full = backbone(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    ).last_hidden_state
+    response_mask = batch.attention_mask[:, batch.prompt_width :].bool()
+    P, T = batch.prompt_width, batch.response_width
+    torch.testing.assert_close(padded, full[:, P - 1 : P - 1 + T][response_mask])
     use_packed_attention(model)
-    packed, packed_mask = response_hidden_states(backbone, batch, remove_padding=True)
-    assert torch.equal(mask, packed_mask) and packed.shape == padded.shape
+    packed, packed_tokens = response_hidden_states(backbone, batch, remove_padding=True)
+    assert torch.equal(tokens.flat, packed_tokens.flat) and packed.shape == padded.shape
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
     # negative control: the packed row without sequence boundaries lets later sequences attend to earlier ones
-    whole = backbone(input_ids=pack(batch.input_ids, batch.attention_mask).input_ids, use_cache=False)
+    whole = backbone(input_ids=pack_batch(batch).input_ids, use_cache=False)
     assert not torch.allclose(whole.last_hidden_state[0, -3:], packed[-3:], atol=1e-3)
 
 

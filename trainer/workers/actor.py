@@ -133,14 +133,15 @@ class Policy(TrainedModel):
                 )
             terms = policy_loss_terms(out, micro, self.loss, denominators)
             terms.pop("total").backward()
-            metrics.add(terms, tokens=float(micro.response_mask.sum()))
+            metrics.add(terms, tokens=micro.response_mask.sum())
         return metrics.result(self.dp)
 
 
 def policy_loss_terms(
     out: ResponseLogprobs, micro: TrainBatch, loss: PolicyLossSettings, denominators: dict
 ) -> dict:
-    """The micro-batch's total loss (a tensor, key "total") and its metric values (floats)."""
+    """The micro-batch's total loss (key "total") and its metric values: detached 0-dim tensors, left on
+    the device (turning them into floats here would stall every micro-batch until its forward is done)."""
     old_logprobs = micro.old_logprobs if micro.old_logprobs is not None else out.logprobs.detach()
     mask = micro.response_mask
     policy = algos.ppo_policy_loss(
@@ -159,15 +160,15 @@ def policy_loss_terms(
         entropy_loss = algos.aggregate_loss(out.entropy, mask, loss.loss_agg_mode, **denominators)
         total = total - loss.entropy_coeff * entropy_loss
     terms = {
-        "actor/pg_loss": float(policy.loss.detach()),
-        "actor/pg_clipfrac": float(policy.clipfrac),
-        "actor/pg_clipfrac_lower": float(policy.clipfrac_lower),
-        "actor/ppo_kl": float(policy.approx_kl),
-        "actor/entropy": float(algos.masked_mean(out.entropy.detach(), mask)),
+        "actor/pg_loss": policy.loss.detach(),
+        "actor/pg_clipfrac": policy.clipfrac.detach(),
+        "actor/pg_clipfrac_lower": policy.clipfrac_lower.detach(),
+        "actor/ppo_kl": policy.approx_kl.detach(),
+        "actor/entropy": algos.masked_mean(out.entropy.detach(), mask),
     }
     if loss.use_kl_loss:
         kl = algos.kl_penalty(out.logprobs, micro.ref_logprobs, loss.kl_loss_type)
         kl_loss = algos.aggregate_loss(kl, mask, loss.loss_agg_mode, **denominators)
         total = total + loss.kl_loss_coef * kl_loss
-        terms.update({"actor/kl_loss": float(kl_loss.detach()), "actor/kl_coef": loss.kl_loss_coef})
+        terms.update({"actor/kl_loss": kl_loss.detach(), "actor/kl_coef": loss.kl_loss_coef})
     return {"total": total, **terms}

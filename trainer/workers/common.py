@@ -216,22 +216,30 @@ class MiniBatchMetrics:
 
     Loss terms are already divided by the mini-batch's global denominators, so their micro-batch parts
     add up; every other value is a per-token mean of its micro-batch, weighted here by its tokens out of
-    the whole mini-batch's (`total_tokens`, summed over ranks).
+    the whole mini-batch's (`total_tokens`, summed over ranks). Values may be device tensors: the sums
+    stay on the device and reach the host once, in `result` (one wait a mini-batch, not one a value).
     """
 
     def __init__(self, total_tokens: float, loss_names: tuple[str, ...]) -> None:
         self.total_tokens = max(total_tokens, 1.0)
         self.loss_names = loss_names
-        self.sums: dict[str, float] = defaultdict(float)
+        self.sums: dict[str, Tensor | float] = {}
 
-    def add(self, values: dict[str, float], tokens: float) -> None:
+    def add(self, values: dict[str, Tensor | float], tokens: Tensor | float) -> None:
         for name, value in values.items():
             weight = 1.0 if name in self.loss_names else tokens / self.total_tokens
-            self.sums[name] += value * weight
+            value = value.detach().double() if isinstance(value, Tensor) else value
+            self.sums[name] = self.sums.get(name, 0.0) + value * weight
 
     def result(self, dp: DataParallel = SINGLE_PROCESS) -> dict[str, float]:
         names = sorted(self.sums)  # every rank has the same names; sum them in the same order
-        return dict(zip(names, dp.sum_floats(*(self.sums[name] for name in names))))
+        device = next((v.device for v in self.sums.values() if isinstance(v, Tensor)), torch.device("cpu"))
+        sums = [self.sums[name] for name in names]
+        sums = [
+            v if isinstance(v, Tensor) else torch.full((), v, dtype=torch.float64, device=device)
+            for v in sums
+        ]
+        return dict(zip(names, dp.sum(torch.stack(sums)).tolist()))
 
 
 class MetricAccumulator:

@@ -50,9 +50,8 @@ def response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
 
 def _response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
     backbone, head = backbone_and_head(model)
-    hidden, real = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
-    values = head(hidden).squeeze(-1).float()  # only the positions that predict real response tokens
-    return torch.zeros(real.shape, dtype=values.dtype, device=values.device).masked_scatter(real, values)
+    hidden, tokens = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
+    return tokens.place(head(hidden).squeeze(-1).float())  # only the positions predicting response tokens
 
 
 class Critic(TrainedModel):
@@ -109,10 +108,10 @@ class Critic(TrainedModel):
             vpred_mean = algos.masked_mean(values.detach(), micro.response_mask)
             metrics.add(
                 {
-                    "critic/vf_loss": float(vf_loss.detach()),
-                    "critic/vf_clipfrac": float(clipfrac),
-                    "critic/vpred_mean": float(vpred_mean),
+                    "critic/vf_loss": vf_loss.detach(),
+                    "critic/vf_clipfrac": clipfrac.detach(),
+                    "critic/vpred_mean": vpred_mean,
                 },
-                tokens=float(micro.response_mask.sum()),
+                tokens=micro.response_mask.sum(),
             )
         return metrics.result(self.dp)

@@ -241,8 +241,8 @@ def _response_logprobs(
 ) -> ResponseLogprobs:
     backbone, head = backbone_and_head(model)
     # the hidden states at the positions predicting the real response tokens (loss-masked or not)
-    hidden_rows, real = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
-    targets = batch.responses[real]
+    hidden_rows, tokens = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
+    targets = tokens.take(batch.responses)
     if settings.fused and _fusable(head) and targets.numel():
         dtype = _compute_dtype(hidden_rows, head.weight)
         logprob, entropy = FusedHeadLogprobs.apply(
@@ -252,12 +252,8 @@ def _response_logprobs(
         logprob, entropy = _plain_head(
             hidden_rows, targets, head, temperature, with_entropy, entropy_grad, settings
         )
-    logprobs = hidden_rows.new_zeros(real.shape, dtype=torch.float32).masked_scatter(real, logprob)
-    if not with_entropy:
-        return ResponseLogprobs(logprobs=logprobs, entropy=None)
-    return ResponseLogprobs(
-        logprobs=logprobs, entropy=logprobs.new_zeros(real.shape).masked_scatter(real, entropy)
-    )
+    logprobs = tokens.place(logprob)
+    return ResponseLogprobs(logprobs=logprobs, entropy=tokens.place(entropy) if with_entropy else None)
 
 
 def _plain_head(hidden_rows, targets, head, temperature, with_entropy, entropy_grad, settings: LogprobHead):
