@@ -49,9 +49,13 @@ class Packed:
     offsets: Tensor  # [B+1] int64 on the host: cu_seq_lens, for planning gathers from the packed row
 
     def model_kwargs(self) -> dict:
-        """What the model's forward takes to run packed."""
+        """What the model's forward takes to run packed. The attention function confines each sequence
+        itself; the empty 4D `attention_mask` only makes transformers pass it through as it is instead of
+        building a mask, whose packed-sequence detection reads the position ids back from the GPU (a
+        sync per forward)."""
         return {
             "input_ids": self.input_ids,
+            "attention_mask": self.input_ids.new_empty((1, 1, 0, 0), dtype=torch.bool),
             "position_ids": self.position_ids,
             "cu_seq_lens_q": self.cu_seq_lens,
             "cu_seq_lens_k": self.cu_seq_lens,
@@ -388,12 +392,31 @@ def response_hidden_states(backbone, batch, *, remove_padding: bool) -> tuple[Te
         hidden = backbone(**packed.model_kwargs(), use_cache=False).last_hidden_state[0]
         predicting = packed.offsets[tokens.rows] + prompt_lengths[tokens.rows] - 1 + tokens.columns
         return hidden.index_select(0, to_device(predicting, device)), tokens
+    attention_mask = batch.attention_mask
+    if getattr(backbone.config, "_attn_implementation", None) == "sdpa":
+        attention_mask = padded_causal_mask(attention_mask)
     hidden = backbone(
         input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
+        attention_mask=attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
     ).last_hidden_state
     prompt_width, (rows, width) = batch.prompt_width, tokens.shape
     predicting = hidden[:, prompt_width - 1 : prompt_width - 1 + width].reshape(rows * width, -1)
     return predicting.index_select(0, tokens.flat), tokens
+
+
+def padded_causal_mask(attention_mask: Tensor) -> Tensor:
+    """[B, L] padding mask -> [B, 1, L, L] boolean SDPA mask (True: attend): causal over real keys.
+
+    Built here, on the device, because transformers' own builder checks whether the mask can be skipped
+    by reading it back from the GPU (two syncs a forward). A padding query sees only itself, which keeps
+    its row finite (a row with nothing to attend to is NaN in SDPA, and NaN reaches the weight
+    gradients even though the loss never reads the row); real tokens see exactly what they see in the
+    mask transformers builds.
+    """
+    length = attention_mask.shape[1]
+    device = attention_mask.device
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    itself = torch.eye(length, dtype=torch.bool, device=device)
+    return ((causal & attention_mask.bool()[:, None, :]) | itself)[:, None]
