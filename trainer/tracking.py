@@ -581,20 +581,32 @@ def profiled(log_dir: str, step: int, steps: Sequence[int] | None, groups: Seque
     log_dir/profile/step_N.txt, the ops with the most self CPU and (on a GPU) device time, and
     step_N.json, a Chrome trace (ui.perfetto.dev): kernels, host syncs, allocator calls, Python.
     `groups` (Ray role groups) profile their ranks over the same step: step_N_<role>_rank<R>.txt/.json
-    in log_dir/profile on each rank's node."""
+    in log_dir/profile on each rank's node. A step that raises is written too (its profile is the one
+    worth reading), and its error is the one that propagates."""
     if not steps or step not in steps:
         yield
         return
     from torch.profiler import profile
 
-    folder = Path(log_dir) / "profile"
-    for group in groups:
-        group.start_profile()
-    with profile(activities=profiler_activities()) as prof:
-        yield
-    for group in groups:
-        group.stop_profile(str(folder), f"step_{step}_{group.role_name}")
-    write_profile(prof, folder, f"step_{step}")
+    folder, name = Path(log_dir) / "profile", f"step_{step}"
+    prof, ran, started = profile(activities=profiler_activities()), False, []
+    try:
+        for group in groups:
+            group.start_profile()
+            started.append(group)
+        with prof:
+            ran = True
+            yield
+    finally:
+        failing = sys.exc_info()[1] is not None
+        for group in started:
+            try:
+                group.stop_profile(str(folder), f"{name}_{group.role_name}")
+            except Exception:
+                if not failing:  # ranks that died in the failed step cannot answer: keep its error
+                    raise
+        if ran:
+            write_profile(prof, folder, name)
 
 
 def profiler_activities() -> list:

@@ -402,3 +402,16 @@ def test_gpu_peak_flops_and_peak_memory():
     if "H100" in name or "H200" in name:
         assert peak_flops_per_gpu() == peak_flops_per_gpu(name) in (989e12, 756e12)
     del block
+
+
+def test_a_profiled_step_that_raises_is_written_and_its_error_propagates(tmp_path):
+    from trainer.tracking import profiled
+
+    with profiled(str(tmp_path), 3, [5]):  # not a profiled step: nothing written
+        torch.ones(4).sum()
+    assert not (tmp_path / "profile").exists()
+    with pytest.raises(ValueError, match="the step failed"), profiled(str(tmp_path), 5, [5]):
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        raise ValueError("the step failed")
+    assert "aten::mm" in (tmp_path / "profile" / "step_5.txt").read_text()
+    assert (tmp_path / "profile" / "step_5.json").exists()
