@@ -74,10 +74,8 @@ def pack(input_ids: Tensor, starts: Tensor, lengths: Tensor) -> Packed:
     starts, lengths = starts.cpu().long(), lengths.cpu().long()
     if bool((lengths <= 0).any()):
         raise ValueError("cannot pack a row without real tokens")
-    rows, width = input_ids.shape
-    row_of = torch.repeat_interleave(torch.arange(rows), lengths)
-    offsets = F.pad(torch.cumsum(lengths, dim=0), (1, 0))
-    positions = torch.arange(int(offsets[-1])) - offsets[row_of]
+    width = input_ids.shape[1]
+    row_of, offsets, positions = segments(lengths)
     source = row_of * width + starts[row_of] + positions  # each packed token's place in input_ids.view(-1)
     device = input_ids.device
     return Packed(
@@ -87,6 +85,14 @@ def pack(input_ids: Tensor, starts: Tensor, lengths: Tensor) -> Packed:
         max_length=int(lengths.max()),
         offsets=offsets,
     )
+
+
+def segments(lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Host [B] lengths laid end to end: each element's row and its position within the row [N], and
+    the rows' offsets [B+1] (0, len_0, len_0 + len_1, ..., N)."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    offsets = F.pad(torch.cumsum(lengths, dim=0), (1, 0))
+    return rows, offsets, torch.arange(len(rows)) - offsets[rows]
 
 
 def pack_batch(batch) -> Packed:
@@ -358,10 +364,7 @@ class ResponseTokens:
 
     @classmethod
     def of(cls, batch) -> ResponseTokens:
-        response_lengths = batch.response_lengths.cpu().long()
-        rows = torch.repeat_interleave(torch.arange(len(response_lengths)), response_lengths)
-        starts = F.pad(torch.cumsum(response_lengths, dim=0), (1, 0))
-        columns = torch.arange(len(rows)) - starts[rows]
+        rows, _, columns = segments(batch.response_lengths.cpu().long())
         shape = (len(batch), batch.response_width)
         return cls(shape, rows, columns, to_device(rows * shape[1] + columns, batch.input_ids.device))
 
