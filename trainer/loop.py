@@ -47,6 +47,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import Config
 from trainer.data import PromptRecord
+from trainer.profiling import profiled
 from trainer.rewards import Scores, reward_items, score_rollouts
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.metrics import rollout_logprob_gap
@@ -59,7 +60,6 @@ from trainer.tracking import (
     memory_metrics,
     mfu,
     peak_flops_per_gpu,
-    profiled,
     progress_metrics,
     timed,
     timer,

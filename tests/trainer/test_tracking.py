@@ -405,7 +405,7 @@ def test_gpu_peak_flops_and_peak_memory():
 
 
 def test_a_profiled_step_that_raises_is_written_and_its_error_propagates(tmp_path):
-    from trainer.tracking import profiled
+    from trainer.profiling import profiled
 
     with profiled(str(tmp_path), 3, [5]):  # not a profiled step: nothing written
         torch.ones(4).sum()

@@ -33,7 +33,7 @@ import torch
 
 from trainer.batch import TrainBatch
 from trainer.distributed import NCCL_ENV, Scatter, free_port, init_data_parallel
-from trainer.tracking import profiler_activities, write_profile
+from trainer.profiling import profiler_activities, write_profile
 
 log = logging.getLogger(__name__)
 
