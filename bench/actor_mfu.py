@@ -13,7 +13,7 @@ Rows (median ms of several reps after warm-up; CUDA events on GPU, perf_counter 
   tensors (per layer q/k/v/o, gate/up/down; the LM head over the response tokens, in the trainer's
   2048-token chunks); backward = grad input + grad weight per forward matmul. The best the model path
   could do with perfect everything else.
-- model[...]: the trainer's own path, built as trainer/run.py builds a one-process policy (load_policy,
+- model[...]: the trainer's own path, built as trainer/build.py builds a one-process policy (load_policy,
   use_packed_attention, compile_model, the fused LogprobHead), forward + response_logprobs + a
   mean-logprob loss + backward: parameters fp32 (the trainer's) or bf16, under bf16 autocast, decoder
   layers eager or compiled, and once with gradient checkpointing (grpo_gsm8k.yaml turns it on).
@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 from testing.tiny import make_tiny_model, qwen25_05b_config, tiny_qwen2_config
 from trainer.batch import TrainBatch
 from trainer.compiling import compile_model
-from trainer.distributed import DataParallel
-from trainer.fsdp import FSDPSettings, full_tensor, shard_model
+from trainer.parallel.distributed import DataParallel
+from trainer.parallel.fsdp import FSDPSettings, full_tensor, shard_model
 from trainer.model import autocast, load_policy
 from trainer.packing import use_packed_attention
 from trainer.rollout.base import Rollout
@@ -202,7 +202,7 @@ def model_fwd_bwd(
 ):  # fmt: skip
     """(ms of forward + loss + backward, ms of one AdamW step, note) for the trainer's policy path.
 
-    param_dtype "fsdp": as a Ray policy rank holds it (trainer/workers/ranks.py): fp32 on the CPU,
+    param_dtype "fsdp": as a Ray policy rank holds it (trainer/parallel/ranks.py): fp32 on the CPU,
     compiled for bf16 compute, FSDP2-sharded over a one-rank process group (bf16 gathers, fp32
     reduction), and no autocast."""
     sharded = param_dtype.startswith("fsdp") if isinstance(param_dtype, str) else False
@@ -217,7 +217,7 @@ def model_fwd_bwd(
     # fsdp-autocast: the rank's compute under bf16 autocast as one process runs it (fp32 norms, softmax)
     autocast_dtype = None if param_dtype in ("fsdp", "fsdp-keep") else torch.bfloat16
     if compiled:
-        # trainer/run.py: compile_model(..., dtype=None, autocast_dtype=precision.autocast_dtype)
+        # trainer/build.py: compile_model(..., dtype=None, autocast_dtype=precision.autocast_dtype)
         compiled = compile_model(
             model,
             device=device,

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.rollout.protocol import finish_reason, output_item
+from trainer.rollout.protocol import finish_reason, output_item, rollouts_from_outputs
 
 RIVERS = ["Norvik", "Esterhal", "Quillon", "Maradu", "Tesskel", "Orbanne", "Vellmar", "Kapsis", "Limbreth"]
 SEAS = ["Amber", "Coral", "Silver", "Crimson", "Jade", "Azure", "Obsidian", "Ivory", "Saffron"]
@@ -99,6 +99,9 @@ class ScriptedReplica:
             e2e_latency=0.0,
         )
         return [item] * params.get("n", 1)
+
+    async def rollouts(self, payload: dict, prompt_index: int):
+        return rollouts_from_outputs(payload["input_ids"], prompt_index, await self.generate(payload))
 
     def turn_tokens(self, text: str, params: dict) -> tuple[list[int], str, int | str]:
         """The text's tokens cut as an engine cuts: after the token that completes a stop string, at

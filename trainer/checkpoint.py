@@ -16,7 +16,7 @@ Layout (root = checkpoints/{project}/{experiment}):
             huggingface/                          config.json, generation_config.json, tokenizer files
                                                   (only for Hugging Face models; `trainer.export` needs them)
 
-Any number of ranks resumes a checkpoint written by any other number (trainer/fsdp.py): the files
+Any number of ranks resumes a checkpoint written by any other number (trainer/parallel/fsdp.py): the files
 describe whole tensors and each loading rank reads the slices it holds. One process without Ray
 writes and reads the very same files, so a run saved on 8 GPUs resumes on a CPU and vice versa.
 
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer.fsdp import has_sharded_checkpoint, load_full_model_state, load_sharded, save_sharded
+from trainer.parallel.fsdp import has_sharded_checkpoint, load_full_model_state, load_sharded, save_sharded
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -84,7 +84,7 @@ class RoleState(Protocol):
     """What a checkpoint asks of a role: write its state into a directory, and read it back.
 
     `LocalRole` does it for a model trained in this process; the Ray role groups
-    (trainer/workers/group.py) do it with all their ranks writing into the same directory.
+    (trainer/parallel/groups.py) do it with all their ranks writing into the same directory.
     """
 
     def save(self, directory: str) -> None: ...

@@ -189,7 +189,7 @@ def compile_model(
     trains, if `train`); returns whether it did (otherwise the run says why once and stays eager).
     dtype: the layers' compute dtype there (FSDP's param_dtype), autocast_dtype: the forward's autocast.
     """
-    from trainer.fsdp import decoder_layers
+    from trainer.parallel.fsdp import decoder_layers
 
     layers = decoder_layers(model)
     args, kwargs = capture_layer_inputs(model, layers[0], probe_inputs(model))

@@ -1,21 +1,23 @@
-"""The fit loop: on-policy RL for LLMs, one process (CPU or one GPU).
+"""The fit loop: on-policy RL for LLMs, the same driver for one CPU and for many GPUs on many nodes.
 
 One step, whatever the algorithm:
 
     prompts    <- data-server or local files (cursor saved with every checkpoint)
-    rollouts   <- engine.generate(prompts, n)                hf / builtin in process, or SGLang servers
-                  [multi_turn] agent.generate: each trajectory searches the retrieval-server as it goes
-    scores     <- reward-server (HTTP, batched, retried) or the same scorers in-process
-    [DAPO]        group by prompt, drop the groups whose rewards do not vary, refill until full
+    rollouts   <- the rollout manager: one request per prompt, to the policy ranks' engines (or SGLang
+                  servers) as they have room; [multi_turn] the agent loop's trajectories call their
+                  tools (retrieval-server, code-executor) between turns, each on one replica
+    scores     <- each prompt's group scored as soon as its samples are back (reward-server over HTTP,
+                  or the same scorers in-process), overlapped with the rest of the generation
+    [DAPO]        drop the groups whose rewards do not vary, generate again until full
     old/ref logprobs, critic values                         (old logprobs skipped when exactly on-policy
-                                                             and the KL penalty is not in the reward)
+                                                             and nothing else needs them)
     advantages <- trainer.algos (grpo | rloo | reinforce++ | reinforce++-baseline | gae)
-    critic.update (gae), then policy.update after critic_warmup steps
+    critic.update (gae), then policy.update after critic_warmup steps; the engines take the weights
     tracker.log(verl metric names); validate every test_freq; checkpoint every save_freq
 
-`fit` and `train_step` read top to bottom; every part they call was built once, with its settings, by
-trainer/run.py, so the step passes data only. Collecting a batch, advantages, metrics, validation and
-checkpoints are the small functions below them.
+The policy, reference and critic are role groups (trainer/parallel/groups.py): one rank in this process
+or Ray ranks, called the same way. `fit` and `train_step` read top to bottom; every part they call was
+built once, with its settings, by trainer/build.py, so the step passes data only.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import dataclasses
 import json
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +40,6 @@ from trainer import algos
 from trainer.agent.loop import AgentBatch
 from trainer.batch import TrainBatch
 from trainer.checkpoint import (
-    LocalRole,
     RoleState,
     TrainState,
     find_resume_checkpoint,
@@ -48,10 +51,12 @@ from trainer.checkpoint import (
 from trainer.config import Config
 from trainer.data import PromptRecord
 from trainer.profiling import profiled
+from trainer.build import AdvantageSettings, KLController, Run, build_run, close_run, seed_everything
+from trainer.parallel.groups import MEMORY_METRICS, WorkerGroupError
 from trainer.rewards import Scores, reward_items, score_rollouts
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.metrics import rollout_logprob_gap
-from trainer.run import AdvantageSettings, KLController, Run, build_run, close_run, seed_everything
+from trainer.workers.engines import KV_CACHE
 from trainer.tracking import (
     Tracker,
     compute_data_metrics,
@@ -65,7 +70,6 @@ from trainer.tracking import (
     timer,
     training_flops,
 )
-from trainer.workers.group import MEMORY_METRICS, RoleGroup, WorkerGroupError
 
 
 class TrainingAborted(RuntimeError):
@@ -101,7 +105,8 @@ async def train(run: Run) -> dict[str, float]:
         while step < run.total_steps:
             step += 1
             cursor_before_step = run.source.state()
-            with profiled(cfg.trainer.log_dir, step, cfg.trainer.profile_steps, run.role_groups()):
+            remote = [group for group in run.groups.all() if group.remote]
+            with profiled(cfg.trainer.log_dir, step, cfg.trainer.profile_steps, remote):
                 metrics = await train_step(run, step)
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)
@@ -131,7 +136,7 @@ async def train(run: Run) -> dict[str, float]:
 async def train_step(run: Run, step: int) -> dict[str, float]:
     timings: dict[str, float] = {}
     with timer("step", timings):
-        collected = await collect_batch(run, timings)
+        collected = await collect_batch(run, step, timings)
         batch = collected.batch
         if run.needs_old_logprobs:
             with timer("old_log_prob", timings):
@@ -172,6 +177,14 @@ class PromptGroup:
     responses: list[str] = field(default_factory=list)  # decoded, aligned with the rollouts
     scores: list[float] = field(default_factory=list)
     correct: list[float] = field(default_factory=list)
+    errors: int = 0  # samples the scorer could not score
+
+    def add(self, rollouts: list[Rollout], items: list[dict], scores: Scores) -> None:
+        self.rollouts += rollouts
+        self.responses += [item["response"] for item in items]
+        self.scores += scores.scores.tolist()
+        self.correct += scores.correct.tolist()
+        self.errors += scores.errors
 
     def rewards_vary(self, metric: str) -> bool:
         """DAPO's keep predicate: not every reward equal (a group of one is kept, as verl does)."""
@@ -189,28 +202,31 @@ class Collected:
     metrics: dict[str, float]
 
 
-async def collect_batch(run: Run, timings: dict[str, float]) -> Collected:
+async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Collected:
     """Prompts -> rollouts -> scores, grouped by prompt; with DAPO dynamic sampling, keep only the groups
     whose rewards vary and generate again until the batch is full."""
     plan, kept, rounds, errors, tool_batches = run.plan, [], 0, 0, []
-    while len(kept) < plan.prompts:
-        rounds += 1
-        if plan.group_filter and 0 < plan.group_filter.max_rounds < rounds:
-            raise TrainingAborted(
-                f"dynamic sampling found only {len(kept)} of {plan.prompts} prompts with varying rewards "
-                f"in {plan.group_filter.max_rounds} generation rounds "
-                "(algorithm.filter_groups.max_num_gen_batches)"
+    async with rollout_phase(run):
+        while len(kept) < plan.prompts:
+            rounds += 1
+            if plan.group_filter and 0 < plan.group_filter.max_rounds < rounds:
+                raise TrainingAborted(
+                    f"dynamic sampling found only {len(kept)} of {plan.prompts} prompts with varying rewards "
+                    f"in {plan.group_filter.max_rounds} generation rounds "
+                    "(algorithm.filter_groups.max_num_gen_batches)"
+                )
+            sampling = dataclasses.replace(
+                run.sampling, seed=sampling_seed(run.cfg.trainer.seed, step, rounds)
             )
-        groups, round_errors, tools = await generate_groups(run, plan.prompts_per_round, timings)
-        errors += round_errors
-        tool_batches += [tools] if tools is not None else []
-        if plan.group_filter:
-            groups = [g for g in groups if g.rewards_vary(plan.group_filter.metric)]
-        kept += groups[: plan.prompts - len(kept)]
+            prompts = (await run.source.next_batch(plan.prompts_per_round)).prompts
+            groups, tools = await generate_groups(run, prompts, sampling, timings)
+            errors += sum(g.errors for g in groups)
+            tool_batches += [tools] if tools is not None else []
+            if plan.group_filter:
+                groups = [g for g in groups if g.rewards_vary(plan.group_filter.metric)]
+            kept += groups[: plan.prompts - len(kept)]
     rollouts = [dataclasses.replace(r, prompt_index=i) for i, g in enumerate(kept) for r in g.rollouts]
-    batch = TrainBatch.from_rollouts(
-        rollouts, run.tokenizer.pad_token_id, data_sources=[g.prompt.data_source for g in kept]
-    )
+    batch = TrainBatch.from_rollouts(rollouts, run.pad_id, data_sources=[g.prompt.data_source for g in kept])
     scores = Scores(
         torch.tensor([s for g in kept for s in g.scores], dtype=torch.float32),
         torch.tensor([c for g in kept for c in g.correct], dtype=torch.float32),
@@ -227,39 +243,70 @@ async def collect_batch(run: Run, timings: dict[str, float]) -> Collected:
     return Collected(batch, scores, kept, metrics)
 
 
+@asynccontextmanager
+async def rollout_phase(run: Run):
+    """The colocated engines hold their KV caches only while rollouts are generated: the log-prob and
+    update passes after it have that memory back (SGLang's release / resume of the "kv_cache" tag)."""
+    if not run.colocated:
+        yield
+        return
+    await run.rollout.resume_memory_async(KV_CACHE)
+    try:
+        yield
+    finally:
+        await run.rollout.release_memory_async(KV_CACHE)
+
+
+def sampling_seed(seed: int, step: int, round_: int) -> int:
+    """A distinct, reproducible seed for each generation round of each step: the same rollouts wherever
+    the replicas run (one rank or many) and after a resume; each prompt's seed derives from it."""
+    mixed = np.random.SeedSequence([seed & (2**63 - 1), step, round_]).generate_state(1, np.uint64)[0]
+    return int(mixed >> np.uint64(1))
+
+
 async def generate_groups(
-    run: Run, num_prompts: int, timings: dict[str, float]
-) -> tuple[list[PromptGroup], int, AgentBatch | None]:
-    """One generation round: fetch prompts, sample n each, score; -> (groups, items the scorer failed,
-    what the tools did when the rollouts were multi-turn)."""
-    prompts = (await run.source.next_batch(num_prompts)).prompts
-    with timer("gen", timings):
-        rollouts, tools = await generate(run, [p.prompt_ids for p in prompts], run.sampling, timings)
-    with timer("reward", timings):
-        items = reward_items(prompts, rollouts, run.tokenizer)
-        scores = await score_rollouts(run.scorer, items, run.reward_options)
+    run: Run, prompts: list[PromptRecord], sampling: SamplingParams, timings: dict[str, float]
+) -> tuple[list[PromptGroup], AgentBatch | None]:
+    """One generation round: n samples of every prompt, each prompt's group scored as soon as its samples
+    are back (timing_s/gen: until the last sample; timing_s/reward: the scoring left after it)."""
     groups = [PromptGroup(prompt) for prompt in prompts]
-    for rollout, item, score, right in zip(
-        rollouts, items, scores.scores.tolist(), scores.correct.tolist(), strict=True
-    ):
-        group = groups[rollout.prompt_index]
-        group.rollouts.append(rollout)
-        group.responses.append(item["response"])
-        group.scores.append(score)
-        group.correct.append(right)
-    return groups, scores.errors, tools
+    started, last_sample = time.perf_counter(), [time.perf_counter()]
+
+    async def score(index: int, rollouts: list[Rollout]) -> None:
+        last_sample[0] = time.perf_counter()
+        group = groups[index]
+        items = reward_items({index: group.prompt}, rollouts, run.tokenizer)
+        group.add(rollouts, items, await score_rollouts(run.scorer, items, run.reward_options))
+
+    tools = await generate(run, [p.prompt_ids for p in prompts], sampling, score, timings)
+    timings["gen"] = timings.get("gen", 0.0) + last_sample[0] - started
+    timings["reward"] = timings.get("reward", 0.0) + max(0.0, time.perf_counter() - last_sample[0])
+    return groups, tools
+
+
+OnGroup = Callable[[int, list[Rollout]], Awaitable[None]]
 
 
 async def generate(
-    run: Run, prompt_ids: list[list[int]], sampling: SamplingParams, timings: dict[str, float]
-) -> tuple[list[Rollout], AgentBatch | None]:
-    """The engine's rollouts, or with multi_turn.enable the agent loop's, which search as they go
-    (timing_s/tool_calls: the wall time with a search in flight)."""
+    run: Run,
+    prompt_ids: list[list[int]],
+    sampling: SamplingParams,
+    on_group: OnGroup,
+    timings: dict[str, float],
+) -> AgentBatch | None:
+    """Every prompt's n rollouts through the rollout manager, each prompt's handed to on_group(index,
+    rollouts) as soon as they are all back; with multi_turn.enable the agent loop's, which call tools as
+    they go (timing_s/tool_calls: the wall time with a tool call in flight)."""
     if run.agent is None:
-        return run.engine.generate(prompt_ids, sampling), None
-    tools = await run.agent.generate(prompt_ids, sampling)
+
+        async def one(index: int, prompt: list[int]) -> None:
+            await on_group(index, await run.rollout.generate_async([prompt], sampling, first_index=index))
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_ids)))
+        return None
+    tools = await run.agent.generate(prompt_ids, sampling, on_group=on_group)
     timings["tool_calls"] = timings.get("tool_calls", 0.0) + tools.tool_seconds
-    return tools.rollouts, tools
+    return tools
 
 
 def dump_rollouts(folder: str, step: int, groups: list[PromptGroup]) -> None:
@@ -359,9 +406,8 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
     )
     if utilisation is not None:
         metrics["perf/mfu/actor"] = utilisation
-    memory = memory_metrics()
-    if not profile.in_process:  # the GPU peaks are the ranks' own (in their update metrics)
-        memory = {name: value for name, value in memory.items() if name not in MEMORY_METRICS}
+    # the GPU peaks are the ranks' own (in their update metrics)
+    memory = {name: value for name, value in memory_metrics().items() if name not in MEMORY_METRICS}
     return metrics | memory
 
 
@@ -374,20 +420,18 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     correct: dict[str, list[float]] = defaultdict(list)
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
-    async for batch in run.source.validation_batches(cfg.data.val_batch_size):
-        rollouts, _ = await generate(run, [p.prompt_ids for p in batch.prompts], run.val_sampling, {})
-        items = reward_items(batch.prompts, rollouts, run.tokenizer)
-        scored = await score_rollouts(run.scorer, items, run.reward_options)
-        for rollout, item, score, right in zip(
-            rollouts, items, scored.scores.tolist(), scored.correct.tolist()
-        ):
-            correct[item["data_source"]].append(right)
-            rewards[item["data_source"]].append(score)
-            if len(samples) < cfg.trainer.log_val_generations:
-                prompt = run.tokenizer.decode(
-                    batch.prompts[rollout.prompt_index].prompt_ids, skip_special_tokens=True
-                )
-                samples.append({"input": prompt, "output": item["response"], "score": score})
+    sampling = dataclasses.replace(run.val_sampling, seed=sampling_seed(cfg.trainer.seed, step, -1))
+    async with rollout_phase(run):
+        async for batch in run.source.validation_batches(cfg.data.val_batch_size):
+            groups, _ = await generate_groups(run, batch.prompts, sampling, {})
+            for group in groups:
+                source = group.prompt.data_source
+                correct[source] += group.correct
+                rewards[source] += group.scores
+                for response, score in zip(group.responses, group.scores):
+                    if len(samples) < cfg.trainer.log_val_generations:
+                        prompt = run.tokenizer.decode(group.prompt.prompt_ids, skip_special_tokens=True)
+                        samples.append({"input": prompt, "output": response, "score": score})
     if samples:
         run.tracker.log_generations(samples, step)
     metrics = {}
@@ -441,14 +485,8 @@ def save(run: Run, step: int, data_cursor: str | None = None) -> Path:
 
 
 def checkpoint_roles(run: Run) -> dict[str, RoleState]:
-    """The trained roles by checkpoint directory: a Ray role group saves itself, rank by rank."""
-    workers = {"actor": run.policy, **({"critic": run.critic} if run.critic is not None else {})}
-    return {
-        name: worker
-        if isinstance(worker, RoleGroup)
-        else LocalRole(worker.model, worker.optimizer, worker.scheduler, run.tokenizer)
-        for name, worker in workers.items()
-    }
+    """The trained roles by checkpoint directory: each role group saves itself, rank by rank."""
+    return {"actor": run.policy, **({"critic": run.critic} if run.critic is not None else {})}
 
 
 def should(freq: int, step: int, last: int) -> bool:

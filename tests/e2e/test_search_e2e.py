@@ -1,6 +1,8 @@
 """GRPO with search, end to end on CPU: `python -m jobgroup.local run` starts the data-, reward- and
-retrieval-servers (a BM25 index built from a corpus by the launcher) and trains a tiny model whose
-rollouts call the search tool through the agent loop.
+retrieval-servers (a BM25 index built by the launcher from a corpus: the HotpotQA slice of
+../shared/data/wiki where it is at hand, plus the test's own documents) and trains a tiny model whose
+rollouts call the search tool through the agent loop, on two Ray ranks (each rank's engine a replica of
+the rollout manager, the trajectories' turns spread over both).
 
 A random model never writes a tool call, so the fixture first teaches the tiny model Search-R1's
 format on a few prompts (testing/search.py): `<search> river </search>`, then `<answer> 7 </answer>`
@@ -38,6 +40,10 @@ def test_grpo_steps_with_search_through_the_three_services(searcher, tmp_path):
     for split, rows in (("train", range(6, 38)), ("test", range(4))):
         (data / f"{split}.jsonl").write_text("".join(json.dumps(short_search_row(i)) + "\n" for i in rows))
     corpus = write_corpus(tmp_path / "corpus.jsonl")
+    hotpot = ROOT.parent / "shared" / "data" / "wiki" / "hotpot_dev100_corpus.jsonl"
+    if hotpot.exists():
+        with corpus.open("a") as out:
+            out.write(hotpot.read_text())
     launcher = [
         sys.executable, "-m", "jobgroup.local", "run", "--run-dir", str(tmp_path / "group"),
         "--data-port", "0", "--reward-port", "0", "--retrieval-port", "0", "--health-timeout", "300",
@@ -64,6 +70,7 @@ def test_grpo_steps_with_search_through_the_three_services(searcher, tmp_path):
         "trainer.val_before_train=false",
         "trainer.save_freq=-1",
         "trainer.device=cpu",
+        "trainer.nnodes=2",  # two Ray ranks, each with its engine behind the rollout manager
         "trainer.logger=[jsonl]",
         f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         f"trainer.log_dir={tmp_path / 'run'}",
@@ -82,6 +89,7 @@ def test_grpo_steps_with_search_through_the_three_services(searcher, tmp_path):
         assert row["tool/errors"] == 0 and row["timing_s/tool_calls"] > 0
         assert 1 <= row["tool/retrieve_requests"] <= row["tool_calls/mean"] * 16  # a request serves >= 1 call
         assert row["actor/grad_norm"] > 0  # the answers' rewards varied: a real update
+        assert row["perf/throughput"] > 0
     for step, row in enumerate(steps, start=1):
         responses = [
             json.loads(line)["response"]

@@ -277,8 +277,11 @@ def test_config_refuses_what_the_agent_loop_cannot_run(tmp_path):
         load_config([on, "actor_rollout_ref.rollout.multi_turn.format=react"])
     with pytest.raises(ConfigError, match="max_assistant_turns"):
         load_config([on, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"])
-    with pytest.raises(ConfigError, match="one-process runs"):
-        load_config([on, "trainer.use_ray=true"])
+    # tool calls run at every scale: Ray ranks' engines are replicas of the same rollout manager
+    ray = load_config(
+        [on, "trainer.use_ray=true", "trainer.nnodes=2", "services.retrieval_url=[http://r:8002]"]
+    )
+    assert ray.uses_ray and ray.actor_rollout_ref.rollout.engine == "builtin"
     sglang = load_config([on, "actor_rollout_ref.rollout.name=sglang"])  # its servers have the async path too
     assert sglang.actor_rollout_ref.rollout.engine == "sglang"
 

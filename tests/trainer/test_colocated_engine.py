@@ -1,5 +1,6 @@
 """The engine next to the policy: KV slots sized from rollout.gpu_memory_utilization, the KV cache held only
-while generating, bucketed weight updates, and which engine rollout.name picks on which device."""
+through a rollout phase (the manager's resume / release), bucketed weight updates, and which engine
+rollout.name picks on which device."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from trainer.config import load_config
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.builtin.memory import DeviceMemory, kv_slots, reserve_bytes, slot_bytes
 from trainer.rollout.builtin.model import ModelShape
-from trainer.workers.engines import builtin_engine
+from trainer.rollout.manager import RolloutManager
+from trainer.rollout.pool import ReplicaPool
+from trainer.workers.engines import KV_CACHE, EngineSettings, colocated_replica
 
 GiB = 2**30
 # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 dims, vocab 151936
@@ -78,17 +81,26 @@ def test_slot_bytes_and_the_slot_count_follow_the_budget():
         kv_slots(QWEN_05B, memory=free, utilization=1.5, cap=512, **common)
 
 
-def test_the_kv_cache_exists_only_while_generating_and_weights_update_in_buckets():
+def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_buckets():
     model, tok = varied_model("qwen2", seed=3)
-    engine = builtin_engine(
-        model, tok, device=torch.device("cpu"), context_length=96, gpu_memory_utilization=0.5, pad_id=0
+    replica = colocated_replica(
+        EngineSettings(name="builtin", context_length=96),
+        model,
+        tok,
+        device=torch.device("cpu"),
+        model_path="unused by builtin",
+        trust_remote_code=False,
+        name="rank 0",
     )
-    inner = engine.engine.pool.replicas[0].engine  # the BuiltinEngine behind the in-process manager
+    manager = RolloutManager(ReplicaPool([replica]), pad_id=0)
+    inner = replica.engine  # the BuiltinEngine behind the replica
     try:
-        assert inner.released == {"kv_cache"} and inner.cache is None
+        assert inner.released == {"kv_cache"} and inner.cache is None  # nothing held until a rollout phase
         prompts = encode(tok)[:3]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-        before = [r.response_ids for r in engine.generate(prompts, greedy)]
+        manager.resume_memory(KV_CACHE)
+        before = [r.response_ids for r in manager.generate(prompts, greedy)]
+        manager.release_memory(KV_CACHE)
         assert inner.released == {"kv_cache"} and inner.cache is None  # released again once done
         # the policy moves on; its tensors reach the engine in two buckets (a subset each), cache released
         moved = copy.deepcopy(model)
@@ -97,16 +109,17 @@ def test_the_kv_cache_exists_only_while_generating_and_weights_update_in_buckets
                 parameter.add_(0.3 * torch.randn_like(parameter))
         state = moved.state_dict()
         names = sorted(state)
-        engine.load_weights({name: state[name] for name in names[: len(names) // 2]})
-        engine.load_weights({name: state[name] for name in names[len(names) // 2 :]})
-        after = [r.response_ids for r in engine.generate(prompts, greedy)]
+        replica.load_weights_now({name: state[name] for name in names[: len(names) // 2]})
+        replica.load_weights_now({name: state[name] for name in names[len(names) // 2 :]})
+        manager.resume_memory(KV_CACHE)
+        after = [r.response_ids for r in manager.generate(prompts, greedy)]
         from trainer.rollout.builtin import load_engine
 
         reference = load_engine(moved, tokenizer=tok, dtype=torch.float32, device="cpu")
         expected = [g[0].token_ids for g in reference.generate(prompts, greedy)]
         assert after == expected and after != before
     finally:
-        engine.close()
+        manager.close()
 
 
 @pytest.mark.parametrize(

@@ -19,14 +19,14 @@ import torch
 from testing.tiny import make_tiny_model
 from trainer.batch import TrainBatch
 from trainer.checkpoint import LocalRole
-from trainer.distributed import shard_rows
-from trainer.fsdp import FSDPSettings
+from trainer.parallel.distributed import shard_rows
+from trainer.parallel.fsdp import FSDPSettings
 from trainer.model import load_policy
 from trainer.rollout.base import Rollout, SamplingParams
-from trainer.workers.actor import Policy, PolicyLossSettings
+from trainer.workers.policy import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, TokenBudget, UpdateSettings, token_budget_bounds
-from trainer.workers.group import GroupRolloutEngine, PolicyGroup, ResourcePool, connect_ray
-from trainer.workers.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
+from trainer.parallel.groups import PolicyGroup, RayRanks, ResourcePool, connect_ray
+from trainer.parallel.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
 
 ray = pytest.importorskip("ray")
 
@@ -101,7 +101,8 @@ def policy_group(model_dir, nnodes: int, **settings) -> PolicyGroup:
 
     pool = ResourcePool(nnodes, 1, use_gpu=False)
     build = functools.partial(build_policy, policy_settings(model_dir, **settings))
-    return PolicyGroup(pool, build, mini_batch_size=MINI_BATCH, ppo_epochs=1, seed=0), pool
+    ranks = RayRanks(pool, build, role="policy", share=1.0, seed=0)
+    return PolicyGroup(ranks, mini_batch_size=MINI_BATCH), pool
 
 
 def close(group, pool):
@@ -229,8 +230,8 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
 
     from trainer.model import load_critic
     from trainer.workers.critic import Critic, ValueLossSettings
-    from trainer.workers.group import CriticGroup
-    from trainer.workers.ranks import CriticRankSettings, build_critic
+    from trainer.parallel.groups import CriticGroup
+    from trainer.parallel.ranks import CriticRankSettings, build_critic
 
     settings = CriticRankSettings(
         # the ranks also recompute activations in backward (gradient checkpointing under FSDP2)
@@ -241,7 +242,8 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
         forward_micro_batch_size=2,
     )
     pool = ResourcePool(2, 1, use_gpu=False)
-    group = CriticGroup(pool, functools.partial(build_critic, settings), mini_batch_size=MINI_BATCH)
+    ranks = RayRanks(pool, functools.partial(build_critic, settings), role="critic", share=1.0, seed=0)
+    group = CriticGroup(ranks, mini_batch_size=MINI_BATCH)
     try:
         group.save(str(tmp_path / "start"))
         single = Critic(load_critic(str(model_dir)), settings.optim, settings.update, settings.loss)
@@ -264,9 +266,13 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
 def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_dir, name):
     """Each rank's engine (the built-in one: its own forward and KV cache, synced bucket by bucket) samples
     the tokens whose logprobs the FSDP policy gives, before and after a weight sync."""
+    from trainer.rollout.manager import RolloutManager
+    from trainer.rollout.pool import ReplicaPool
+
     group, pool = policy_group(model_dir, nnodes=2, engine=name)
-    engine = GroupRolloutEngine(group, pad_id=0)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]  # 3 prompts: rank 0 samples 1, rank 1 samples 2
+    engine = RolloutManager(ReplicaPool(group.replicas()), pad_id=0)
+    engine.resume_memory(("kv_cache",))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=5, n=2)
 
     def generated_vs_policy(rollouts):
@@ -276,6 +282,7 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
     try:
         rollouts = engine.generate(prompts, greedy)
         assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2]
+        assert all(m.served > 0 for m in engine.pool.members)  # both ranks' engines served prompts
         assert [r.prompt_ids for r in rollouts[::2]] == prompts
         engine_logprobs, policy_logprobs = generated_vs_policy(rollouts)
         torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
@@ -285,8 +292,7 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
         stale, updated = generated_vs_policy(engine.generate(prompts, greedy))
         assert (stale - updated).abs().max() > 1e-3  # the engines still sample from the old weights
 
-        engine.load_weights()
-        assert engine.last_sync_s > 0
+        assert group.sync_weights() > 0
         synced, updated = generated_vs_policy(engine.generate(prompts, greedy))
         torch.testing.assert_close(synced, updated, atol=1e-4, rtol=0)
         # sampled (temperature 1, top-k): still the policy's distribution, and the same again after a sync
@@ -294,6 +300,7 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
         engine_logprobs, policy_logprobs = generated_vs_policy(engine.generate(prompts, sampled))
         torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
     finally:
+        engine.close()
         close(group, pool)
 
 
@@ -302,7 +309,7 @@ def test_rollout_servers_take_the_policy_from_a_checkpoint_rank_0_writes(cluster
     built-in server here) generate, and load every new policy from the folder rank 0 writes."""
     from tests.helpers import service_process
     from trainer.rollout.manager import http_manager
-    from trainer.workers.group import GroupWeights
+    from trainer.parallel.groups import GroupWeights
 
     group, pool = policy_group(model_dir, nnodes=2)
     args = ("--model", str(model_dir), "--device", "cpu", "--context-length", "64")
@@ -397,7 +404,7 @@ def test_fit_on_two_ranks_dies_cleanly_and_resumes_on_one_process(cluster, model
 
     from trainer.config import load_config
     from trainer.loop import TrainingAborted, _fit, train
-    from trainer.run import build_run, close_run
+    from trainer.build import build_run, close_run
 
     ranks_dir, single_dir = tmp_path / "ranks", tmp_path / "single"
     pid_file = tmp_path / "pid"
@@ -413,8 +420,8 @@ def test_fit_on_two_ranks_dies_cleanly_and_resumes_on_one_process(cluster, model
     async def train_until_killed():
         run = await build_run(cfg)
         try:
-            assert run.world_size == 2 and run.groups is not None
-            pids.extend(run.policy.pids)
+            assert run.world_size == 2 and run.policy.remote
+            pids.extend(run.policy.ranks.pids)
             pid_file.write_text(str(pids[1]))
             await train(run)
         finally:
@@ -480,3 +487,46 @@ def test_fit_on_two_ranks_generates_with_their_builtin_engines(cluster, model_di
         assert metrics["timing_s/update_weights"] > 0
     # step 2 samples from the weights step 1 trained: a stale engine would drift from the policy
     assert steps[2]["training/rollout_logprob_diff_mean"] < 1e-4
+
+
+VARIED_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return (len(solution_str) % 5) / 4  # varies with the sampled text: GRPO has something to push
+"""
+
+
+def test_one_rank_in_this_process_and_one_ray_rank_train_alike(cluster, model_dir, gsm8k_files, tmp_path):
+    """One path at every scale: with the same seed, a group of one rank in this process and a Ray group of
+    one rank train alike (the same rank objects, FSDP2 over a world of one, seeded sampling)."""
+    import asyncio
+
+    from trainer.config import load_config
+    from trainer.loop import _fit
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(VARIED_REWARD)
+    extra = [
+        f"custom_reward_function.path={reward}",
+        "reward_model.mode=local",
+        "trainer.save_freq=-1",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.do_sample=true",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # two optimizer steps: old logprobs computed
+    ]
+    for where, use_ray in (("local", "false"), ("ray", "true")):
+        args = fit_args(model_dir, gsm8k_files, tmp_path / where, steps=2, ranks=1)
+        asyncio.run(_fit(load_config(args + extra + [f"trainer.use_ray={use_ray}"])))
+    local, on_ray = logged_steps(tmp_path / "local"), logged_steps(tmp_path / "ray")
+    assert sorted(local) == sorted(on_ray) == [1, 2]
+    for step in (1, 2):
+        assert local[step]["actor/pg_clipfrac"] >= 0 and local[step]["critic/score/std"] > 0
+        for name in (
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/entropy",
+            "actor/grad_norm",
+            "critic/score/mean",
+            "response_length/mean",
+        ):
+            assert on_ray[step][name] == pytest.approx(local[step][name], rel=0, abs=1e-6), (step, name)

@@ -7,8 +7,8 @@ import torch
 
 from testing.tiny import make_tiny_model
 from trainer.batch import TrainBatch
-from trainer.distributed import SINGLE_PROCESS, Scatter, balanced_partition, shard_rows
-from trainer.fsdp import buckets, iter_full_state, load_full_model_state, load_sharded, save_sharded
+from trainer.parallel.distributed import SINGLE_PROCESS, Scatter, balanced_partition, shard_rows
+from trainer.parallel.fsdp import buckets, iter_full_state, load_full_model_state, load_sharded, save_sharded
 from trainer.model import backbone_and_head, load_policy
 from trainer.packing import (
     ResponseTokens,

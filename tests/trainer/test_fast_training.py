@@ -17,7 +17,7 @@ import torch
 from testing.tiny import make_tiny_model
 from trainer.batch import TrainBatch
 from trainer.compiling import CompiledOrEager, compile_model, is_compiled
-from trainer.fsdp import decoder_layers
+from trainer.parallel.fsdp import decoder_layers
 from trainer.model import load_policy
 from trainer.packing import use_packed_attention
 from trainer.rollout.base import Rollout

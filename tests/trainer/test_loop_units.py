@@ -1,5 +1,5 @@
 """The loop's own small pieces: advantage dispatch per estimator, DAPO's group filter, schedules,
-and the settings each part is built with once (trainer/run.py)."""
+and the settings each part is built with once (trainer/build.py)."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from trainer.config import load_config
 from trainer.data import PromptRecord
 from trainer.loop import PromptGroup, compute_advantages, should
 from trainer.rollout.base import Rollout
-from trainer.run import advantage_settings, batch_plan, sampling_params
+from trainer.build import advantage_settings, batch_plan, sampling_params
 
 
 def rollout(prompt_index: int, loss_mask=(1, 1, 1)) -> Rollout:

@@ -19,7 +19,7 @@ from trainer.rollout.builtin.sampler import sampling_floors, token_seeds, torch_
 from trainer.rollout.manager import local_manager
 from trainer.rollout.metrics import rollout_logprob_gap
 from testing.tiny import char_tokenizer, tiny_qwen2_config
-from trainer.workers.actor import response_logprobs
+from trainer.workers.policy import response_logprobs
 
 QUESTIONS = ["What is 2+3?", "hi", "Name a colour, then stop.", "Count: 1 2 3 4 5 6 7", "x"]
 

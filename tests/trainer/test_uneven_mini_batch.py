@@ -25,7 +25,7 @@ from tests.trainer.test_workers import (
 from trainer.model import load_critic, load_policy
 from testing.tiny import make_tiny_model
 from trainer import algos
-from trainer.workers.actor import response_logprobs
+from trainer.workers.policy import response_logprobs
 from trainer.workers.critic import ValueLossSettings
 
 

@@ -11,7 +11,7 @@ from trainer.batch import TrainBatch
 from trainer.model import is_gradient_checkpointing, load_critic, load_policy, load_reference
 from trainer.rollout.base import Rollout
 from testing.tiny import make_tiny_model
-from trainer.workers.actor import Policy, PolicyLossSettings, is_on_policy
+from trainer.workers.policy import Policy, PolicyLossSettings, is_on_policy
 from trainer.workers.common import (
     OptimizerSettings,
     TokenBudget,
@@ -79,7 +79,7 @@ def sizes(mini=8, micro=8, epochs=1):
 
 
 def policy_of(model, *, mini=8, micro=8, epochs=1, loss=None, logprob_micro=None, **optim_overrides):
-    """A Policy built once with its settings, as trainer/run.py builds it."""
+    """A Policy built once with its settings, as trainer/build.py builds it."""
     return Policy(
         model,
         optim(**optim_overrides),

@@ -1,4 +1,4 @@
-"""The agent loop a run uses, built once from the config (trainer/run.py calls this when
+"""The agent loop a run uses, built once from the config (trainer/build.py calls this when
 actor_rollout_ref.rollout.multi_turn.enable is set)."""
 
 from __future__ import annotations

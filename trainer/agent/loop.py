@@ -5,8 +5,10 @@
                 -> append the tool response's tokens (loss mask 0) -> generate again ...
 
 Every model turn is its own request through the rollout manager's async path (`generate_async`: the
-replica pool's least-loaded routing, continuous batching in the engine), so a trajectory waiting for
-its search holds back nobody's generation, and nothing waits for a whole batch between turns.
+replica pool's routing, continuous batching in the engine), so a trajectory waiting for its search
+holds back nobody's generation, and nothing waits for a whole batch between turns. A trajectory's turns
+all go to the replica of its first turn (a routing key), where its prefix was computed; a prompt's
+group is handed on (`on_group`, the fit loop's scoring) as soon as its n trajectories end.
 
 Token in, token out: a turn's prompt is the trajectory's prompt ids plus every id appended so far,
 exactly as sampled or encoded; text is decoded only to find the tool calls, never re-encoded. The
@@ -30,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,11 +45,21 @@ from trainer.rollout.base import FinishReason, Rollout, SamplingParams
 
 
 class TurnEngine(Protocol):
-    """What the loop needs of the rollout: RolloutManager.generate_async."""
+    """What the loop needs of the rollout: RolloutManager.generate_async and forget."""
 
     async def generate_async(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        first_index: int = 0,
+        key: str | None = None,
     ) -> list[Rollout]: ...
+
+    def forget(self, keys: Sequence[str]) -> None: ...
+
+
+OnGroup = Callable[[int, list[Rollout]], Awaitable[None]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,24 +213,44 @@ class AgentLoop:
             tokenizer, settings.max_tool_response_length, settings.tool_response_truncate_side
         )
 
-    async def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingParams) -> AgentBatch:
-        """sampling.n trajectories per prompt, all at once; rollouts grouped by prompt, as engines do."""
+    async def generate(
+        self, prompt_ids: Sequence[list[int]], sampling: SamplingParams, on_group: OnGroup | None = None
+    ) -> AgentBatch:
+        """sampling.n trajectories per prompt, all at once; rollouts grouped by prompt, as engines do.
+        on_group(index, rollouts) gets each prompt's n rollouts as soon as they all end."""
+        n, batch_key = sampling.n, uuid.uuid4().hex
         trajectories = [
-            Trajectory(index, list(prompt))
-            for index, prompt in enumerate(prompt_ids)
-            for _ in range(sampling.n)
+            Trajectory(index, list(prompt)) for index, prompt in enumerate(prompt_ids) for _ in range(n)
         ]
         clock = ToolClock()
         self.searcher.take_stats()
-        await asyncio.gather(*(self.run(t, i, sampling, clock) for i, t in enumerate(trajectories)))
+
+        async def group(index: int) -> None:
+            numbers = range(index * n, (index + 1) * n)
+            keys = [f"{batch_key}-{number}" for number in numbers]
+            try:
+                await asyncio.gather(
+                    *(self.run(trajectories[i], i, sampling, clock, key) for i, key in zip(numbers, keys))
+                )
+            finally:
+                self.engine.forget(keys)
+            if on_group is not None:
+                await on_group(index, [trajectories[i].rollout() for i in numbers])
+
+        await asyncio.gather(*(group(index) for index in range(len(prompt_ids))))
         return AgentBatch(
             [t.rollout() for t in trajectories], trajectories, clock.seconds, self.searcher.take_stats()
         )
 
     async def run(
-        self, trajectory: Trajectory, number: int, sampling: SamplingParams, clock: ToolClock
+        self,
+        trajectory: Trajectory,
+        number: int,
+        sampling: SamplingParams,
+        clock: ToolClock,
+        key: str | None = None,
     ) -> None:
-        """Turns until an end condition; the trajectory fills in place."""
+        """Turns until an end condition; the trajectory fills in place. key: the routing key of its turns."""
         settings = self.settings
         stop = tuple(dict.fromkeys((*sampling.stop, *self.format.stop)))
         while True:
@@ -232,7 +265,7 @@ class AgentLoop:
                 else turn_seed(sampling.seed, number, trajectory.assistant_turns),
             )
             context = trajectory.prompt_ids + trajectory.response_ids
-            (turn,) = await self.engine.generate_async([context], turn_sampling)
+            (turn,) = await self.engine.generate_async([context], turn_sampling, key=key)
             trajectory.add_model_turn(turn)
             if turn.finish_reason != "stop" or len(trajectory.response_ids) >= settings.max_response_length:
                 return

@@ -15,7 +15,7 @@ _REF_AND_ACTOR = """
     profiler router_replay rollout_n strategy
 """
 # fsdp_config keys of verl's FSDP (1 and 2) that change nothing here: one unit per decoder layer and fp32
-# master weights are fixed (trainer/fsdp.py)
+# master weights are fixed (trainer/parallel/fsdp.py)
 _FSDP = """
     wrap_policy fsdp_size forward_prefetch model_dtype use_orig_params grad_offload dtype
     strategy seed full_determinism entropy_from_logits_with_chunking entropy_checkpointing forward_only

@@ -55,35 +55,10 @@ def notices(config: Config) -> list[str]:
         )
     if rollout.n > 1 and not rollout.do_sample:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
-    offloads = one_process_offloads(config)
-    if offloads:
-        lines.append(
-            "fsdp: " + ", ".join(offloads) + " act in Ray runs only (more than one GPU, or "
-            "trainer.use_ray=true); this run is one process"
-        )
     if config.no_effect_keys:
         lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
     lines += tool_config_notices(config)
     return lines
-
-
-def one_process_offloads(config: Config) -> list[str]:
-    """The fsdp_config keys set in a run without Ray, where nothing is sharded, gathered or offloaded."""
-    if config.uses_ray:
-        return []
-    arr = config.actor_rollout_ref
-    sections = {
-        "actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
-        "actor_rollout_ref.ref.fsdp_config": arr.ref.fsdp_config,
-        "critic.model.fsdp_config": config.critic.model.fsdp_config,
-    }
-    keys = ("param_offload", "optimizer_offload", "offload_policy")
-    found = [f"{prefix}.{key}" for prefix, fsdp in sections.items() for key in keys if getattr(fsdp, key)]
-    return found + [
-        f"{prefix}.mixed_precision.param_dtype"
-        for prefix, fsdp in sections.items()
-        if fsdp.mixed_precision.fp32_gathers
-    ]
 
 
 # ---------------------------------------------------------------------------------------- batch sizes
@@ -292,11 +267,6 @@ def multi_turn_problems(config: Config) -> list[str]:
     if not multi_turn.enable:
         return []
     key = "actor_rollout_ref.rollout.multi_turn"
-    if config.uses_ray:
-        return [
-            f"{key}.enable: multi-turn rollouts run in one-process runs for now (the Ray ranks' colocated "
-            "engine has no async path); use one GPU, or trainer.use_ray=false"
-        ]
     if multi_turn.tool_config_path:
         from trainer.agent.tools import load_tool_config  # torch-free
 

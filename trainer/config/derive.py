@@ -8,7 +8,8 @@ config is built, and every consumer reads the result.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -40,6 +41,81 @@ def gpu_present() -> bool:
 def per_gpu(global_size: int | None, world: int) -> int | None:
     """A global batch size split over the GPUs, rounded down as verl's workers do (None stays None)."""
     return None if global_size is None else global_size // world
+
+
+# ------------------------------------------------------------------------------ values the workers take
+# Derived from the config (and the tokenizer) in one place: the rank settings (trainer/parallel/
+# settings.py), the loop and the engines read these, never the raw keys.
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """verl's use_dynamic_bsz: micro-batches of whole, consecutive sequences of at most `max_tokens`
+    tokens (prompt + response) each; a longer sequence goes alone. A count of sequences launches as
+    many kernels for short sequences as for long ones; a token budget keeps every forward equally full.
+    """
+
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+MicroBatchSize = int | TokenBudget  # sequences per forward, or a token budget
+
+
+def token_budget(use_dynamic_bsz: bool, max_tokens: int) -> TokenBudget | None:
+    """verl's use_dynamic_bsz: micro-batches by tokens, not sequences."""
+    return TokenBudget(max_tokens) if use_dynamic_bsz else None
+
+
+def log_prob_micro_batch(section: Any) -> MicroBatchSize:
+    """A log-prob pass's micro-batches (the rollout's old logprobs, the reference's)."""
+    budget = token_budget(section.log_prob_use_dynamic_bsz, section.log_prob_max_token_len_per_gpu)
+    return budget or section.log_prob_micro_batch_size_per_gpu
+
+
+def value_micro_batch(critic: Any) -> MicroBatchSize:
+    """The critic's value forwards (compute_values), as log_prob_micro_batch for the log-prob passes."""
+    budget = token_budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu)
+    return budget or critic.forward_micro_batch_size_per_gpu
+
+
+def mini_batch_sequences(prompts: int, n: int, world: int) -> int:
+    """A mini-batch in sequences as verl sizes it on `world` GPUs: each rank takes the floor of its share."""
+    return prompts * n // world * world
+
+
+def logprob_temperature(rollout: Any) -> float:
+    """The temperature logprobs are taken under: the rollout's; greedy (0) means the untempered model."""
+    return rollout.temperature or 1.0
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """What batches pad with: the tokenizer's pad token, else its eos token (as verl)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def is_on_policy(batch_size: int, mini_batch_size: int, ppo_epochs: int) -> bool:
+    """True when an update takes exactly one optimizer step on the whole batch: the policy that sampled is
+    the one being updated, so old logprobs equal the update's own (detached) and need no forward."""
+    return ppo_epochs == 1 and mini_batch_size >= batch_size
+
+
+def needs_old_logprobs(config: Config) -> bool:
+    """Whether a step computes the policy's logprobs before its update.
+
+    Skipped only when exactly on-policy. The KL penalty in the reward needs them (taken against the
+    policy that sampled, before the advantages exist); so does a separate engine (builtin, sglang),
+    which samples from its own copy (bf16, its own kernels): the trainer's logprobs are recomputed and
+    their gap to the engine's is logged every step.
+    """
+    arr = config.actor_rollout_ref
+    n, world = arr.rollout.n, config.world_size
+    mini_batch = mini_batch_sequences(arr.actor.ppo_mini_batch_size, n, world)
+    on_policy = is_on_policy(config.data.train_batch_size * n, mini_batch, arr.actor.ppo_epochs)
+    return config.algorithm.use_kl_in_reward or arr.rollout.engine != "hf" or not on_policy
 
 
 def fill_derived(config: Config) -> None:

@@ -37,12 +37,13 @@ class TrainerConfig(Section):
     )
     nnodes: int = Field(1, ge=1, description="Machines (Ray nodes); more than one trains through Ray.")
     n_gpus_per_node: int = Field(
-        1, ge=1, description="GPUs per machine; more than one GPU in all trains through Ray."
+        1, ge=1, description="GPUs per machine; more than one GPU in all runs its ranks as Ray actors."
     )
     use_ray: bool | None = Field(
         None,
-        description="Train through Ray role groups (FSDP2, one rank per GPU). null: when nnodes x "
-        "n_gpus_per_node > 1; false: one process (CPU debugging, the offline demo).",
+        description="Run the role groups' ranks as Ray actors (one per GPU). null: when nnodes x "
+        "n_gpus_per_node > 1; false: one rank in this process (CPU debugging, the offline demo, one GPU). "
+        "Either way the ranks are the same (FSDP2, colocated engines).",
     )
     role_pools: Literal["colocated", "separate"] = Field(
         "colocated",
@@ -170,7 +171,7 @@ class Config(Section):
 
     @property
     def uses_ray(self) -> bool:
-        """Ray role groups (trainer/cluster.py) rather than the workers in the driver's process."""
+        """Ray role groups (trainer/parallel/settings.py) rather than the workers in the driver's process."""
         choice = self.trainer.use_ray
         return self.world_size > 1 if choice is None else choice
 

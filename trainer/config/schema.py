@@ -106,13 +106,12 @@ class DataConfig(Section):
 
 
 class MixedPrecisionConfig(Section):
-    """verl's `fsdp_config.mixed_precision` (Ray runs on GPUs; one process keeps fp32 weights under bf16
-    autocast whatever it says)."""
+    """verl's `fsdp_config.mixed_precision` (on GPUs; fp32 throughout on the CPU)."""
 
     param_dtype: Literal["bf16", "bfloat16", "fp32", "float32"] = Field(
         "bf16",
-        description="What FSDP gathers parameters in, computed under bf16 autocast either way, as one "
-        "process computes. bf16 (verl's default): a bf16 copy of each layer, half the gather traffic. "
+        description="What FSDP gathers parameters in, computed under bf16 autocast either way. bf16 "
+        "(verl's default): a bf16 copy of each layer, half the gather traffic. "
         "fp32: the fp32 shards themselves (slightly slower at 0.5B on one H100: actor MFU 31.6% against "
         "33.0%).",
     )
@@ -129,14 +128,12 @@ class MixedPrecisionConfig(Section):
 
 
 class FSDPConfig(Section):
-    """verl's `fsdp_config`: where a role's FSDP2 shards live (multi-GPU runs: trainer/fsdp.py)."""
+    """verl's `fsdp_config`: where a role's FSDP2 shards live (trainer/parallel/fsdp.py)."""
 
     param_offload: bool = Field(
-        False, description="Move the parameter shards to the CPU between the role's calls (Ray runs)."
+        False, description="Move the parameter shards to the CPU between the role's calls."
     )
-    optimizer_offload: bool = Field(
-        False, description="Move the AdamW moments to the CPU between updates (Ray runs)."
-    )
+    optimizer_offload: bool = Field(False, description="Move the AdamW moments to the CPU between updates.")
     offload_policy: bool = Field(
         False, description="FSDP2 CPUOffloadPolicy: shards, gradients and the optimizer step stay on the CPU."
     )

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import httpx
 
-from trainer.rollout.protocol import SAFETENSORS_FORMAT
+from trainer.rollout.base import Rollout
+from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -92,6 +93,10 @@ class HttpReplica:
         """POST /generate; always a list (a single prompt's one answer is wrapped)."""
         body = (await self._call("POST", "/generate", payload)).json()
         return body if isinstance(body, list) else [body]
+
+    async def rollouts(self, payload: dict, prompt_index: int) -> list[Rollout]:
+        """One prompt's /generate (return_logprob on) as Rollouts."""
+        return rollouts_from_outputs(payload["input_ids"], prompt_index, await self.generate(payload))
 
     async def update_weights_from_disk(
         self, model_path: str, *, load_format: str | None = None, weight_version: str | None = None

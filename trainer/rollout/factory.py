@@ -1,11 +1,9 @@
-"""Build the trainer's rollout engine from `actor_rollout_ref.rollout.name` (what the fit loop calls).
+"""The run's rollout manager from `actor_rollout_ref.rollout.name`: one RolloutManager in every case.
 
-    hf       the reference transformers engine over the policy's own module (hf_engine.py)
-    builtin  the built-in fast engine in this process, behind a RolloutManager (colocated)
-    sglang   SGLang servers: the given URLs, or one `python -m sglang.launch_server` per GPU group,
-             started here and stopped by close(); driven through the same RolloutManager
-
-Every engine answers rollout/base.py's RolloutEngine protocol and has `pad_id` and `close()`.
+hf       transformers generate on each policy rank, next to its model (trainer/workers/engines.py)
+builtin  the built-in fast engine on each policy rank, next to its model
+sglang   SGLang servers: the given URLs, or one `python -m sglang.launch_server` per GPU group,
+         started here and stopped by close()
 """
 
 from __future__ import annotations
@@ -16,7 +14,8 @@ from typing import Literal
 
 import torch
 
-from trainer.rollout.base import RolloutEngine
+from trainer.rollout.manager import RolloutManager, http_manager
+from trainer.rollout.pool import ReplicaPool
 
 RolloutName = Literal["hf", "builtin", "sglang"]
 URLS_ENV = "ROLLOUT_SERVER_URLS"  # comma-separated, like the services' *_URL variables
@@ -40,35 +39,21 @@ def visible_gpus() -> list[str]:
 def build_rollout(
     name: RolloutName,
     *,
-    policy_model,
-    tokenizer,
+    replicas: Sequence = (),
+    pad_id: int,
     model_path: str,
-    context_length: int,
-    max_running: int = 256,
-    autocast_dtype: torch.dtype | None = None,
     server_urls: Sequence[str] = (),
     gpus: Sequence[str] = (),
     tp_size: int = 1,
     gpu_memory_utilization: float = SGLANG_MEMORY_FRACTION,
     startup_timeout_s: float = 900.0,
-) -> RolloutEngine:
-    """context_length: prompt + response tokens (data.max_prompt_length + data.max_response_length)."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if name == "hf":
-        from trainer.rollout.hf_engine import HFRolloutEngine
-
-        return HFRolloutEngine(policy_model, tokenizer, autocast_dtype=autocast_dtype)
-    if name == "builtin":
-        from trainer.rollout.builtin import EngineConfig, load_engine
-        from trainer.rollout.manager import local_manager
-
-        device = next(policy_model.parameters()).device
-        config = EngineConfig(max_running=max_running, context_length=context_length)
-        engine = load_engine(policy_model, tokenizer=tokenizer, device=device, config=config)
-        return local_manager(engine, tokenizer, pad_id=pad_id)
+) -> RolloutManager:
+    """The run's rollout manager: over the policy ranks' colocated engines (`replicas`: hf, builtin), or
+    over SGLang servers (the given URLs, or one started per GPU group here and stopped by close())."""
+    if name in ("hf", "builtin"):
+        return RolloutManager(ReplicaPool(list(replicas)), pad_id=pad_id)
     if name == "sglang":
         from trainer.rollout.launcher import sglang_servers
-        from trainer.rollout.manager import http_manager
 
         servers = None
         if not server_urls:

@@ -21,6 +21,8 @@ faster for the price of that copy's memory.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import inspect
 from collections.abc import Sequence
 
@@ -282,3 +284,83 @@ class HFRolloutEngine:
 
     def close(self) -> None:
         """Nothing to stop (the engine owns no thread, process or server)."""
+
+
+class HFReplica:
+    """An HFRolloutEngine as a replica of the rollout manager (a policy rank's `hf` engine).
+
+    The manager sends one request per prompt; the replica runs the requests that arrive together with
+    the same sampling settings as one batched generate (in a thread, off the event loop). Seeds: a batch
+    samples with the first request's seed (one generator per batch), or from torch's global RNG when it
+    has none, which checkpoints save and restore.
+    """
+
+    def __init__(self, engine: HFRolloutEngine, *, name: str = "hf") -> None:
+        self.engine, self.name = engine, name
+        self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._draining: asyncio.Task | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.engine.model.parameters()).dtype
+
+    capacity = None  # no KV slots to fill: every request may be sent at once
+
+    async def rollouts(self, payload: dict, prompt_index: int) -> list[Rollout]:
+        from trainer.rollout.protocol import GenerateRequest, generate_items
+
+        (item,) = generate_items(GenerateRequest.model_validate(payload))
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((list(item.prompt), item.sampling, future))
+        if self._draining is None or self._draining.done():
+            self._draining = asyncio.create_task(self._drain())
+        return [dataclasses.replace(r, prompt_index=prompt_index) for r in await future]
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # let every request of the same gather() join the batch
+        while self._queue:
+            batch, self._queue = self._queue, []
+            by_sampling: dict[SamplingParams, list] = {}
+            for prompt, sampling, future in batch:
+                by_sampling.setdefault(dataclasses.replace(sampling, seed=None), []).append(
+                    (prompt, sampling, future)
+                )
+            for requests in by_sampling.values():
+                sampling = requests[0][1]
+                try:
+                    rollouts = await asyncio.to_thread(
+                        self.engine.generate, [r[0] for r in requests], sampling
+                    )
+                except Exception as exc:  # noqa: BLE001 - every request of the batch gets the error
+                    for _, _, future in requests:
+                        future.done() or future.set_exception(exc)
+                    continue
+                for index, (_, _, future) in enumerate(requests):
+                    mine = [r for r in rollouts if r.prompt_index == index]
+                    future.done() or future.set_result(mine)
+
+    def load_weights_now(self, named_tensors) -> None:
+        copy_named_tensors(self.engine.model, named_tensors)
+
+    async def release_memory_occupation(self, tags=None) -> None:
+        self.engine.release_memory()
+
+    async def resume_memory_occupation(self, tags=None) -> None:
+        """Nothing was released that generate() does not rebuild."""
+
+    async def health(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        """Nothing to stop (the engine owns no thread, process or server)."""
+
+
+def copy_named_tensors(model: nn.Module, named: dict[str, Tensor]) -> None:
+    """Copy some of a model's tensors in place, by state-dict name (a partial load_state_dict)."""
+    state = model.state_dict(keep_vars=True)
+    unknown = sorted(set(named) - set(state))
+    if unknown:
+        raise KeyError(f"the engine's model has no tensors named {unknown[:5]}")
+    with torch.no_grad():
+        for name, tensor in named.items():
+            state[name].copy_(tensor)

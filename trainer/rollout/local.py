@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
+from trainer.rollout.base import Rollout
 from trainer.rollout.builtin import checkpoint_tensors
 from trainer.rollout.builtin.engine import SequenceOutput
 from trainer.rollout.builtin.worker import EngineError, EngineWorker
@@ -69,6 +70,40 @@ class LocalReplica:
             for index, sample in enumerate(samples):
                 outputs.append(self._output(item, index, sample, time.perf_counter() - started))
         return outputs
+
+    async def rollouts(self, payload: dict, prompt_index: int) -> list[Rollout]:
+        """One prompt's samples straight from the engine as Rollouts (the trainer's path: no SGLang
+        output dicts to build and parse back)."""
+        (item,) = generate_items(GenerateRequest.model_validate(payload))
+        try:
+            samples = await self.worker.generate(item.prompt, item.sampling, item.rid)
+        except EngineError as exc:
+            raise ReplicaDown(f"{self.name}: {exc}") from exc
+        return [
+            Rollout(
+                prompt_ids=list(item.prompt),
+                response_ids=sample.token_ids,
+                logprobs=sample.logprobs,
+                loss_mask=[1] * len(sample.token_ids),
+                finish_reason=sample.finish_reason,
+                prompt_index=prompt_index,
+            )
+            for sample in samples
+        ]
+
+    @property
+    def dtype(self):
+        """The engine's weights' dtype (what a weight sync casts to)."""
+        return self.engine.model.dtype
+
+    @property
+    def capacity(self) -> int:
+        """The most sequences the engine decodes at once (its KV slots' cap)."""
+        return self.engine.config.max_running
+
+    def load_weights_now(self, named_tensors: Mapping[str, Tensor]) -> None:
+        """update_weights_from_tensor for a caller without an event loop (a rank's weight sync)."""
+        self.worker.call_sync(self.engine.load_weights, named_tensors)
 
     def _output(self, item: GenerateItem, index: int, sample: SequenceOutput, latency: float) -> dict:
         rid = item.rid or uuid.uuid4().hex

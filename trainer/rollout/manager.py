@@ -1,15 +1,18 @@
-"""RolloutManager: the trainer's rollout engine (rollout/base.py's RolloutEngine) over a ReplicaPool.
+"""RolloutManager: every rollout of a run goes through it, over a ReplicaPool.
 
-    prompts --one /generate per prompt (its n samples)--> least-loaded replica --> Rollouts, prompt order
+    prompts --one request per prompt (its n samples)--> least-loaded replica with room --> Rollouts
 
-Each prompt is its own request, so a prompt whose samples finish early never waits on another's (and a
-future agent loop sends turns through the same `pool.generate`). The pool is async and lives on the
-manager's own event-loop thread: `generate()` is the blocking call the fit loop makes today, and
-`generate_async()` awaits the same work from any other event loop without blocking it.
+The replicas are the policy ranks' colocated engines (in this process, or in Ray ranks) or rollout
+servers (SGLang's HTTP API). Each prompt is its own request, so a prompt whose samples finish early
+never waits on another's, and the fit loop scores each prompt's group as soon as it is back; the agent
+loop sends every turn of a trajectory through the same pool, to the replica of its first turn. The pool
+is async and lives on the manager's own event-loop thread: `generate_async()` awaits the work from the
+fit loop's event loop without blocking it; `generate()` is the blocking form.
 
-Weights: an in-process replica (LocalReplica) takes the policy's tensors directly; an HTTP replica
-(SGLang or the built-in server) loads a checkpoint the manager writes to `weights_dir`
-(/update_weights_from_disk, which SGLang and our server both implement).
+Weights: the policy ranks sync their colocated engines themselves (a collective inside the group);
+for rollout servers the manager sends a checkpoint written to `weights_dir`
+(/update_weights_from_disk, which SGLang and our server both implement), or tensors to an in-process
+LocalReplica.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.pool import Replica, ReplicaPool
-from trainer.rollout.protocol import rollouts_from_outputs, wire_sampling
+from trainer.rollout.protocol import wire_sampling
 
 T = TypeVar("T")
 
@@ -66,8 +69,31 @@ class RolloutManager:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
         return self._run(self._generate(prompt_ids, sampling))
 
-    async def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
-        return await asyncio.wrap_future(self._submit(self._generate(prompt_ids, sampling)))
+    async def generate_async(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        first_index: int = 0,
+        key: str | None = None,
+    ) -> list[Rollout]:
+        """n samples of each prompt; prompt i is number first_index + i of its batch (its prompt_index,
+        and its seed's). key: route every request with this key to one replica (a trajectory's turns)."""
+        return await asyncio.wrap_future(self._submit(self._generate(prompt_ids, sampling, first_index, key)))
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """These routing keys are done (finished trajectories)."""
+        self._loop.call_soon_threadsafe(self.pool.forget, list(keys))
+
+    async def release_memory_async(self, tags: Sequence[str] | None = None) -> None:
+        await asyncio.wrap_future(
+            self._submit(self.pool.broadcast(lambda r: r.release_memory_occupation(tags)))
+        )
+
+    async def resume_memory_async(self, tags: Sequence[str] | None = None) -> None:
+        await asyncio.wrap_future(
+            self._submit(self.pool.broadcast(lambda r: r.resume_memory_occupation(tags)))
+        )
 
     def load_weights(self, state_dict_or_model) -> None:
         """Send the policy's current weights to every replica."""
@@ -102,7 +128,13 @@ class RolloutManager:
             raise RuntimeError("RolloutManager's blocking calls cannot run on its own event-loop thread")
         return self._submit(coro).result()
 
-    async def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+    async def _generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        first_index: int = 0,
+        key: str | None = None,
+    ) -> list[Rollout]:
         await self.pool.revive(self._resync)
 
         async def one(index: int, prompt: list[int]) -> list[Rollout]:
@@ -112,9 +144,9 @@ class RolloutManager:
                 "sampling_params": wire_sampling(sampling, seed),
                 "return_logprob": True,
             }
-            return rollouts_from_outputs(prompt, index, await self.pool.generate(payload, weight=sampling.n))
+            return await self.pool.rollouts(payload, index, weight=sampling.n, key=key)
 
-        groups = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_ids)))
+        groups = await asyncio.gather(*(one(first_index + i, p) for i, p in enumerate(prompt_ids)))
         return [rollout for group in groups for rollout in group]
 
     async def _load_weights(self, source) -> None:
@@ -175,7 +207,7 @@ def _fast_tmp() -> str | None:
 
 
 def local_manager(engine, tokenizer=None, *, pad_id: int, capacity: int | None = None) -> RolloutManager:
-    """A manager over the built-in engine in this process (the colocated trainer's setup)."""
+    """A manager over a built-in engine in this process (benchmarks and tests of the engine)."""
     from trainer.rollout.builtin.worker import EngineWorker
     from trainer.rollout.local import LocalReplica
 

@@ -1,10 +1,13 @@
 """ReplicaPool: route each generate request to the least-loaded live replica; retry a dead one's elsewhere.
 
-A replica is anything with the SGLang-API calls of HttpReplica (a server, SGLang or built-in) or
-LocalReplica (the engine in this process); the pool does not care which. Load is the number of
-sequences (prompts x n) the pool has in flight on a replica. With `capacity` set, a request waits until
-some replica has room, so a fast replica pulls more work than a slow one instead of every request being
-split evenly up front (the routing of slime's and verl's agent-loop managers).
+A replica is anything with the SGLang-API calls of HttpReplica (a server, SGLang or built-in),
+LocalReplica (the engine in this process) or a policy rank's engine (trainer/parallel/groups.py's
+RankReplica); the pool does not care which. Load is the number of sequences (prompts x n) the pool has
+in flight on a replica. With a capacity (the pool's, or the replica's own `capacity`: its KV slots), a
+request waits until some replica has room, so a fast replica pulls more work than a slow one instead of
+every request being split evenly up front (the routing of slime's and verl's agent-loop managers).
+A request with a routing `key` (a multi-turn trajectory) goes where that key's first request went, so
+its turns meet their own prefix in the replica's cache; `forget(keys)` ends the stickiness.
 
 A replica that fails a call (ReplicaDown) is set aside and its request goes to another; `revive()` lets
 it back once its /health answers. One that missed a weight update while away would sample from stale
@@ -17,11 +20,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+from trainer.rollout.base import Rollout
 from trainer.rollout.client import ReplicaDown
 
 log = logging.getLogger("trainer.rollout")
+
+T = TypeVar("T")
 
 
 class RolloutUnavailable(RuntimeError):
@@ -32,6 +38,7 @@ class Replica(Protocol):
     name: str
 
     async def generate(self, payload: dict) -> list[dict]: ...
+    async def rollouts(self, payload: dict, prompt_index: int) -> list[Rollout]: ...
     async def update_weights_from_disk(self, model_path: str, **kwargs) -> None: ...
     async def update_weights_from_tensor(self, named_tensors, **kwargs) -> None: ...
     async def release_memory_occupation(self, tags=None) -> None: ...
@@ -44,6 +51,7 @@ class Replica(Protocol):
 @dataclass(eq=False)
 class _Member:
     replica: Replica
+    capacity: int | None = None
     load: int = 0
     served: int = 0
     alive: bool = True
@@ -58,9 +66,9 @@ class ReplicaPool:
         request before giving up."""
         if not replicas:
             raise ValueError("a replica pool needs at least one replica")
-        self.members = [_Member(r) for r in replicas]
-        self.capacity = capacity
+        self.members = [_Member(r, capacity or getattr(r, "capacity", None)) for r in replicas]
         self.attempts = attempts
+        self.affinity: dict[str, _Member] = {}
         self.weights_version = 0
         self.retried = 0  # requests re-sent after a replica failed them (a metric)
         self._room: asyncio.Condition | None = None
@@ -73,13 +81,27 @@ class ReplicaPool:
     def alive(self) -> list[Replica]:
         return [m.replica for m in self.members if m.alive]
 
-    async def generate(self, payload: dict, weight: int = 1) -> list[dict]:
+    async def generate(self, payload: dict, weight: int = 1, key: str | None = None) -> list[dict]:
         """Send one /generate payload (weight: its sequences) to the least-loaded live replica."""
+        return await self._send(lambda replica: replica.generate(payload), weight, key)
+
+    async def rollouts(
+        self, payload: dict, prompt_index: int, weight: int = 1, key: str | None = None
+    ) -> list[Rollout]:
+        """One prompt's samples as Rollouts, from the replica `generate` would pick."""
+        return await self._send(lambda replica: replica.rollouts(payload, prompt_index), weight, key)
+
+    def forget(self, keys) -> None:
+        """End the routing of these keys (finished trajectories)."""
+        for key in keys:
+            self.affinity.pop(key, None)
+
+    async def _send(self, call: Callable[[Replica], Awaitable[T]], weight: int, key: str | None) -> T:
         problems: list[str] = []
         for attempt in range(self.attempts):
-            member = await self._acquire(weight)
+            member = await self._acquire(weight, key)
             try:
-                outputs = await member.replica.generate(payload)
+                result = await call(member.replica)
             except ReplicaDown as exc:
                 problems.append(str(exc))
                 self._set_aside(member, exc)
@@ -88,25 +110,31 @@ class ReplicaPool:
             finally:
                 await self._release(member, weight)
             member.served += 1
-            return outputs
+            return result
         raise RolloutUnavailable(f"no replica served the request: {'; '.join(problems)}")
 
-    async def _acquire(self, weight: int) -> _Member:
+    async def _acquire(self, weight: int, key: str | None = None) -> _Member:
         room = self._condition()
         async with room:
             while True:
                 live = [m for m in self.members if m.alive]
                 if not live:
                     raise RolloutUnavailable("every rollout replica is down")
-                fits = [m for m in live if self._fits(m, weight)]
+                pinned = self.affinity.get(key) if key is not None else None
+                candidates = [pinned] if pinned is not None and pinned.alive else live
+                fits = [m for m in candidates if self._fits(m, weight)]
                 if fits:
                     member = min(fits, key=lambda m: (m.load, m.served))
                     member.load += weight
+                    if key is not None:
+                        self.affinity[key] = member
                     return member
                 await room.wait()
 
-    def _fits(self, member: _Member, weight: int) -> bool:
-        return self.capacity is None or member.load == 0 or member.load + weight <= self.capacity
+    @staticmethod
+    def _fits(member: _Member, weight: int) -> bool:
+        capacity = member.capacity
+        return capacity is None or member.load == 0 or member.load + weight <= capacity
 
     async def _release(self, member: _Member, weight: int) -> None:
         room = self._condition()

@@ -9,7 +9,7 @@ One update(), verl's dp_actor.update_policy in our terms:
 Each micro-batch's loss is aggregated with the mini-batch's GLOBAL token and sequence counts
 (`global_denominators`, algos.aggregate_loss), so the summed micro-batch gradients equal the mini-batch
 gradient exactly: micro-batch 1 x accumulation 8 gives the same parameters as 8 x 1. Under data
-parallelism these counts are summed over the ranks first (trainer/distributed.py).
+parallelism these counts are summed over the ranks first (trainer/parallel/distributed.py).
 """
 
 from __future__ import annotations
@@ -26,28 +26,12 @@ from torch import Tensor
 
 from trainer import algos
 from trainer.batch import TrainBatch
-from trainer.distributed import SINGLE_PROCESS, DataParallel
-from trainer.fsdp import compute_device, full_tensor
+from trainer.config.derive import MicroBatchSize, TokenBudget
+from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
+from trainer.parallel.fsdp import compute_device, full_tensor
 from trainer.model import autocast
 
 # ------------------------------------------------------------------------------------------ batching
-
-
-@dataclass(frozen=True)
-class TokenBudget:
-    """verl's use_dynamic_bsz: micro-batches of whole, consecutive sequences of at most `max_tokens`
-    tokens (prompt + response) each; a longer sequence goes alone. A count of sequences launches as
-    many kernels for short sequences as for long ones; a token budget keeps every forward equally full.
-    """
-
-    max_tokens: int
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-
-MicroBatchSize = int | TokenBudget  # sequences per forward, or a token budget
 
 
 def token_budget_bounds(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
@@ -280,7 +264,7 @@ class TrainedModel:
         autocast_dtype: torch.dtype | None = None,
         dp: DataParallel = SINGLE_PROCESS,
     ) -> None:
-        """dp: the data-parallel ranks it trains with (trainer/distributed.py); one process by default."""
+        """dp: the data-parallel ranks it trains with (trainer/parallel/distributed.py); one by default."""
         self.model = model
         self.optim = optim
         self.update_settings = update

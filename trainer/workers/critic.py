@@ -17,8 +17,8 @@ from transformers import PreTrainedModel
 from trainer import algos
 from trainer.algos import LossAggMode
 from trainer.batch import TrainBatch
-from trainer.distributed import SINGLE_PROCESS, DataParallel
-from trainer.fsdp import in_root_forward
+from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
+from trainer.parallel.fsdp import in_root_forward
 from trainer.model import backbone_and_head
 from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import (
@@ -43,7 +43,7 @@ class ValueLossSettings:
 
 def response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
     """Values [B, T] (fp32) of the batch's response tokens, 0 off them; in the caller's grad/autocast
-    context. Runs as one forward of the FSDP root when the model is sharded (trainer/fsdp.py).
+    context. Runs as one forward of the FSDP root when the model is sharded (trainer/parallel/fsdp.py).
     """
     return in_root_forward(model, _response_values, batch)
 

@@ -37,8 +37,8 @@ from transformers import PreTrainedModel
 from trainer import algos
 from trainer.batch import TrainBatch
 from trainer.compiling import CompiledOrEager
-from trainer.distributed import SINGLE_PROCESS, DataParallel
-from trainer.fsdp import compute_device, in_root_forward
+from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
+from trainer.parallel.fsdp import compute_device, in_root_forward
 from trainer.model import autocast, backbone_and_head
 from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import MicroBatchSize, micro_batches, pad_response_columns
@@ -221,7 +221,7 @@ def response_logprobs(
 
     Runs in the caller's grad / autocast context; gradients flow into the model when enabled (through
     the entropy only if `entropy_grad`). A model set up for padding removal (trainer/packing.py) runs
-    the micro-batch packed; an FSDP-sharded one runs it as one forward of its root (trainer/fsdp.py).
+    the micro-batch packed; an FSDP-sharded one runs it as one forward of its root (trainer/parallel/fsdp.py).
     chunk_size overrides head.chunk_size.
     """
     if temperature <= 0:

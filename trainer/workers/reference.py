@@ -11,7 +11,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from trainer.batch import TrainBatch
-from trainer.distributed import SINGLE_PROCESS, DataParallel
+from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
 from trainer.workers.common import MicroBatchSize
 from trainer.workers.logprobs import LogprobHead, batched_response_logprobs
 

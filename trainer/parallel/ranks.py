@@ -1,17 +1,17 @@
-"""What one rank of each role does in its own process: load its model, shard it, and serve the group.
+"""What one rank of each role does: load its model, shard it (FSDP2), and serve its group.
 
-Each class wraps the single-process worker of its role (trainer/workers/actor.py, reference.py,
-critic.py) around an FSDP2-sharded model and adds what only a rank needs: moving its state off the GPU
-between calls, sharded checkpoints, and, for the policy, the colocated rollout engine and the weight
-sync into it. The group (trainer/workers/group.py) builds one per rank through `build_*`, which run
-inside the rank's process: models are loaded there from their path, never shipped from the driver.
+A rank is the unit of every run: the group (trainer/parallel/groups.py) builds one per GPU, in this
+process (one rank: CPU runs, one GPU) or in Ray actors, through `build_*`, which run where the rank
+lives: models are loaded there from their path, never shipped from the driver. Each class wraps the
+math of its role (trainer/workers/policy.py, reference.py, critic.py) around the sharded model and adds
+what only a rank needs: moving its state off the GPU between calls, sharded checkpoints, and, for the
+policy, the colocated rollout engine and the weight sync into it.
 
-Weight sync (colocated): every policy rank runs a rollout engine on its own whole bf16 copy of the
-model (trainer/workers/engines.py: the built-in fast engine by default). After an update, the ranks
-gather the policy's parameters tensor by tensor (`iter_full_state`, a collective) and hand them to their
-engine in buckets of ~256 MB (`load_weights` of a subset of the named tensors). The engine's KV cache
-exists only while it generates, so the training passes have that memory. Separate rollout servers
-(SGLang's HTTP API) get the weights as a checkpoint folder that rank 0 writes (`save_hf_weights`).
+Rollout (colocated): every policy rank runs a rollout engine on its own whole copy of the model
+(trainer/workers/engines.py) and serves it as a replica of the driver's rollout manager. After an
+update, the ranks gather the policy's parameters tensor by tensor (`iter_full_state`, a collective) and
+hand them to their engine in buckets of ~256 MB. Separate rollout servers (SGLang's HTTP API) get the
+weights as a checkpoint folder that rank 0 writes (`save_hf_weights`).
 """
 
 from __future__ import annotations
@@ -26,22 +26,21 @@ import torch
 
 from trainer.checkpoint import load_role_state, save_role_state
 from trainer.compiling import compile_model
-from trainer.distributed import DataParallel
-from trainer.fsdp import (
+from trainer.parallel.distributed import DataParallel
+from trainer.parallel.fsdp import (
     FSDPSettings,
     Offloader,
     buckets,
+    compute_device,
     iter_full_state,
     shard_model,
 )
 from trainer.model import load_critic, load_policy, load_reference, load_tokenizer
 from trainer.packing import use_packed_attention
-from trainer.rollout.base import Rollout, SamplingParams
-from trainer.workers.actor import Policy, PolicyLossSettings
+from trainer.workers.policy import Policy, PolicyLossSettings
 from trainer.workers.common import MicroBatchSize, OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
-from trainer.workers.engines import EngineSettings, builtin_engine, hf_engine_copy
-from trainer.workers.group import PolicyProfile
+from trainer.workers.engines import EngineSettings, colocated_replica
 from trainer.workers.logprobs import LogprobHead
 from trainer.workers.reference import Reference
 
@@ -161,7 +160,20 @@ class PolicyRank(_Checkpointed):
             load_policy, settings.model, device, gradient_checkpointing=settings.model.gradient_checkpointing
         )
         # the engine copies the whole weights before they are sharded: no second read from disk
-        self.engine = _colocated_engine(settings, model, device) if settings.engine is not None else None
+        self.replica = None
+        if settings.engine is not None:
+            tokenizer = load_tokenizer(
+                settings.model.path, trust_remote_code=settings.model.trust_remote_code
+            )
+            self.replica = colocated_replica(
+                settings.engine,
+                model,
+                tokenizer,
+                device=device,
+                model_path=settings.model.path,
+                trust_remote_code=settings.model.trust_remote_code,
+                name=f"policy rank {dp.rank}",
+            )
         model = shard_model(model, dp, settings.model.fsdp, device)
         self.dp, self.device, self.hf_source = dp, device, settings.model.path
         self.compute_dtype = settings.model.compute_dtype
@@ -183,21 +195,21 @@ class PolicyRank(_Checkpointed):
             return self.trained.update(shard) | peak_memory(self.device)
 
     def profile(self) -> PolicyProfile:
-        return PolicyProfile.of(self.trained.model, self.trained.update_settings.ppo_epochs, in_process=False)
+        return PolicyProfile.of(self.trained.model, self.trained.update_settings.ppo_epochs)
 
     def compute_logprobs(self, shard, with_entropy: bool = False):
         with self.offloader.on_device():
             return self.trained.compute_logprobs(shard, with_entropy=with_entropy)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
-        return self.engine.generate(prompt_ids, sampling) if prompt_ids else []
+    def replica_capacity(self) -> int | None:
+        return self.replica.capacity
 
     def sync_weights(self) -> float:
         """Copy the current policy into this rank's engine (a collective); returns the seconds it took."""
         start = time.perf_counter()
         with self.offloader.on_device():
-            for bucket in buckets(iter_full_state(self.trained.model, self.engine.dtype), SYNC_BUCKET_BYTES):
-                self.engine.load_weights(bucket)
+            for bucket in buckets(iter_full_state(self.trained.model, self.replica.dtype), SYNC_BUCKET_BYTES):
+                self.replica.load_weights_now(bucket)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
@@ -218,29 +230,33 @@ class PolicyRank(_Checkpointed):
             self.trained.model.config.save_pretrained(folder)
             save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
 
+    def close(self) -> None:
+        """Stop the engine's thread (the built-in engine's; idempotent, as the manager may have)."""
+        worker = getattr(self.replica, "worker", None)
+        if worker is not None:
+            worker.close()
 
-def _colocated_engine(settings: PolicyRankSettings, model: torch.nn.Module, device: torch.device):
-    engine = settings.engine
-    trust = settings.model.trust_remote_code
-    tokenizer = load_tokenizer(settings.model.path, trust_remote_code=trust)
-    if engine.name == "hf":
-        return hf_engine_copy(
-            settings.model.path,
-            tokenizer,
-            device=device,
-            trust_remote_code=trust,
-            max_batch_size=engine.max_batch_size,
+
+@dataclass(frozen=True)
+class PolicyProfile:
+    """What MFU needs to know of the policy: its size, its epochs and the GPU it trains on (None: CPU)."""
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    ppo_epochs: int
+    device_name: str | None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, ppo_epochs: int) -> PolicyProfile:
+        on_gpu = compute_device(model).type == "cuda"
+        return cls(
+            num_params=sum(p.numel() for p in model.parameters()),  # DTensors count their global size
+            num_layers=model.config.num_hidden_layers,
+            hidden_size=model.config.hidden_size,
+            ppo_epochs=ppo_epochs,
+            device_name=torch.cuda.get_device_name() if on_gpu else None,
         )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return builtin_engine(
-        model,
-        tokenizer,
-        device=device,
-        context_length=engine.context_length,
-        gpu_memory_utilization=engine.gpu_memory_utilization,
-        max_slots=engine.max_slots,
-        pad_id=pad_id,
-    )
 
 
 def build_policy(settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> PolicyRank:

@@ -17,7 +17,8 @@ from transformers import PreTrainedModel
 from trainer import algos
 from trainer.algos import KLKind, LossAggMode
 from trainer.batch import TrainBatch
-from trainer.distributed import SINGLE_PROCESS, DataParallel
+from trainer.config.derive import is_on_policy
+from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
 from trainer.workers.common import (
     MicroBatchSize,
     MiniBatchMetrics,
@@ -34,15 +35,6 @@ from trainer.workers.logprobs import (
 )
 
 LOSS_METRICS = ("actor/pg_loss", "actor/kl_loss")  # divided by global denominators: micro-batch parts add
-
-
-def is_on_policy(batch_size: int, mini_batch_size: int, ppo_epochs: int) -> bool:
-    """True when update() takes exactly one optimizer step on the whole batch.
-
-    Then the policy that sampled is the one being updated, so old_logprobs equal the update's own
-    logprobs (detached) and the separate old-logprob forward can be skipped: pass old_logprobs=None.
-    """
-    return ppo_epochs == 1 and mini_batch_size >= batch_size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ fp32 parameter shards are the master weights the optimizer updates; each unit's 
 bf16 when gathered for compute (or, with verl's `mixed_precision.param_dtype: fp32`, gathered in fp32
 and computed under bf16 autocast, as one process does), and gradients are reduced in fp32. Gradients
 are SUMMED across ranks (divide factor 1), because each rank's loss is already its share of the global
-loss (see trainer/distributed.py).
+loss (see trainer/parallel/distributed.py).
 
 Offload (verl's `fsdp_config` keys):
 - `offload_policy`: FSDP2's CPUOffloadPolicy: parameter shards, gradients and the optimizer step live
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.distributed import DataParallel
+from trainer.parallel.distributed import DataParallel
 
 log = logging.getLogger(__name__)
 

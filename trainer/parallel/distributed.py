@@ -7,7 +7,7 @@ A role (policy, reference, critic) runs as W ranks, each holding 1/W of every pa
    optimizer step k of every rank sees rank r's share of the same global mini-batch k that a single
    process would use (`shard_rows`).
 2. Loss denominators (tokens, sequences) are summed over ranks before the loss is formed, and the
-   gradients are summed, not averaged, across ranks (trainer/fsdp.py sets FSDP's divide factor to 1):
+   gradients are summed, not averaged, across ranks (trainer/parallel/fsdp.py sets FSDP's divide factor to 1):
    rank r's loss is its part of the global sum, so the summed gradients equal the global gradient.
 
 Rows are dealt to ranks balanced by tokens (verl's `trainer.balance_batch`): every rank gets the same
@@ -106,6 +106,24 @@ def init_data_parallel(
     return DataParallel(rank=rank, world_size=world_size, group=dist.group.WORLD)
 
 
+def local_data_parallel(device: torch.device) -> DataParallel:
+    """A process group of one in this process (formed at first use, then shared by every role of the
+    run and by later runs in the same process): FSDP2 shards over a device mesh even of one rank."""
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            os.environ.update(NCCL_ENV)
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            # gloo for CPU tensors, NCCL for CUDA ones: one group serves CPU and GPU runs in one process
+            backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=PROCESS_GROUP_TIMEOUT,
+        )
+    return DataParallel(rank=0, world_size=1, group=dist.group.WORLD)
+
+
 def free_port() -> int:
     """A TCP port free on this host now (rank 0 picks it, the others connect to it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -180,6 +198,11 @@ class Scatter:
         cls, token_counts: Sequence[int], parts: int, chunk: int | None = None, *, balance: bool = True
     ) -> Scatter:
         return cls(tuple(tuple(rows) for rows in shard_rows(token_counts, parts, chunk, balance=balance)))
+
+    @classmethod
+    def whole(cls, rows: int) -> Scatter:
+        """Every row to the one rank, in order."""
+        return cls((tuple(range(rows)),))
 
     def gather_rows(self, per_rank: Sequence[Tensor], width: int | None = None) -> Tensor:
         """Per-rank [b_r, T_r] results -> [B, width] in the original row order (zero-padded columns)."""

@@ -1,27 +1,32 @@
-"""Role groups: one Ray actor per GPU for each role, called by the driver like a single worker.
+"""Role groups: the ranks of one role, called by the driver like a single worker, at every scale.
 
-    driver (the fit loop)                      Ray actors, one per GPU (placement groups, node by node)
-    run.policy.update(batch)  ── scatter ──>   rank 0: PolicyRank.update(shard 0)  ┐ FSDP2 collectives,
-                              <── metrics ──   rank 1: PolicyRank.update(shard 1)  ┘ loss sums all-reduced
+    driver (the fit loop)                      ranks: one in this process (LocalRanks), or one Ray
+    run.policy.update(batch)  ── scatter ──>   actor per GPU (RayRanks), each holding a rank object
+                              <── metrics ──   (trainer/parallel/ranks.py): FSDP2 collectives, loss
+                                               sums all-reduced
 
-`PolicyGroup`, `ReferenceGroup` and `CriticGroup` have the methods of the single-process workers;
-the rows each rank gets (balanced by tokens, split per mini-batch: trainer/distributed.py), putting
-per-row results back in order, and the Ray object refs all stay in here, so the loop does not change
-shape between one process and many GPUs.
+A single CPU or GPU is a group of one local rank, never a separate code path: the same rank objects,
+FSDP2 over a world of one, the same rollout replicas. `PolicyGroup`, `ReferenceGroup` and `CriticGroup`
+give the roles' methods; the rows each rank gets (balanced by tokens, split per mini-batch:
+trainer/parallel/distributed.py), putting per-row results back in order, and the Ray object refs stay
+in here, so the loop does not change shape between one process and many nodes.
+
+Rollout: every policy rank's engine is a replica of the driver's RolloutManager (`PolicyGroup.replicas`):
+the local rank's replica itself, or a `RankReplica` that forwards the manager's calls to a Ray rank.
 
 Placement: `ResourcePool` reserves one bundle per GPU, as one placement group per node packed onto
 that node, so ranks 0..k-1 share node 0, and so on. Roles are colocated by default: every role's
 rank r takes a fraction of bundle r (the policy, its rollout engine, the reference and the critic
 share each GPU, as verl's hybrid engine does); giving roles separate pools puts them on separate GPUs.
 
-Failure: a rank that dies or raises leaves its peers blocked in a collective. The group waits for its
-ranks one at a time and stops at the first failure: it kills the whole group (so nothing hangs) and
+Failure: a Ray rank that dies or raises leaves its peers blocked in a collective. The group waits for
+its ranks one at a time and stops at the first failure: it kills the whole group (so nothing hangs) and
 raises `WorkerGroupError` naming the role, the rank and the call; the loop adds the last checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -32,7 +37,9 @@ from typing import Any
 import torch
 
 from trainer.batch import TrainBatch
-from trainer.distributed import NCCL_ENV, Scatter, free_port, init_data_parallel
+from trainer.config import Config
+from trainer.model import Precision
+from trainer.parallel.distributed import NCCL_ENV, Scatter, free_port, init_data_parallel, local_data_parallel
 from trainer.profiling import profiler_activities, write_profile
 
 log = logging.getLogger(__name__)
@@ -42,32 +49,6 @@ PLACEMENT_TIMEOUT_S = 300.0
 
 class WorkerGroupError(RuntimeError):
     """A rank of a role group died or failed; the group has been shut down."""
-
-
-@dataclass(frozen=True)
-class PolicyProfile:
-    """What MFU needs to know of the policy: its size, its epochs and the GPU it trains on (None: CPU)."""
-
-    num_params: int
-    num_layers: int
-    hidden_size: int
-    ppo_epochs: int
-    device_name: str | None
-    in_process: bool  # trained by this process (whose CUDA memory counters are then the ones to read)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, ppo_epochs: int, *, in_process: bool) -> PolicyProfile:
-        from trainer.fsdp import compute_device
-
-        on_gpu = compute_device(model).type == "cuda"
-        return cls(
-            num_params=sum(p.numel() for p in model.parameters()),  # DTensors count their global size
-            num_layers=model.config.num_hidden_layers,
-            hidden_size=model.config.hidden_size,
-            ppo_epochs=ppo_epochs,
-            device_name=torch.cuda.get_device_name() if on_gpu else None,
-            in_process=in_process,
-        )
 
 
 # ------------------------------------------------------------------------------ the Ray cluster
@@ -163,13 +144,15 @@ def _describe_resources(resources: dict) -> str:
     return f"{nodes} node(s), {resources.get('GPU', 0):g} GPU(s), {resources.get('CPU', 0):g} CPU(s)"
 
 
-# ------------------------------------------------------------------------------ one rank's process
+# ------------------------------------------------------------------------------ where ranks live
 
 
 class RankActor:
-    """The Ray actor of one rank: its device, its process group and the role object built there.
+    """The Ray actor of one rank: its device, its process group and the rank object built there.
 
-    Plumbing only: what a rank does is the role object's (trainer/workers/ranks.py); `call` forwards.
+    Plumbing only: what a rank does is the rank object's (trainer/parallel/ranks.py); `call` forwards.
+    An async actor: `replica` calls (the rollout manager's requests) run concurrently on its event loop,
+    while the rank's engine works on its own thread; `call` runs one at a time on that loop.
     """
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool, seed: int) -> None:
@@ -200,6 +183,10 @@ class RankActor:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.role, method)(*args, **kwargs)
 
+    async def replica(self, method: str, *args, **kwargs):
+        """A call of the rollout manager on this rank's engine replica (a coroutine method of it)."""
+        return await getattr(self.role.replica, method)(*args, **kwargs)
+
     def start_profile(self) -> None:
         """torch.profiler from now until stop_profile (trainer.profile_steps reaching into the ranks)."""
         from torch.profiler import profile
@@ -219,24 +206,18 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
 
-# ------------------------------------------------------------------------------ the driver's handle
+class RayRanks:
+    """A role's ranks as Ray actors over a resource pool, one per bundle."""
 
+    remote = True
 
-class RoleGroup:
-    """The ranks of one role. Subclasses give the role's methods; this class moves rows and refs."""
-
-    role_name = "role"
-
-    def __init__(
-        self, pool: ResourcePool, build: Callable, *, share: float = 1.0, seed: int = 0, balance: bool = True
-    ) -> None:
-        """build(dp, device) -> the role object, run in every rank's process. share: the fraction of each
-        bundle this role takes (1/k when k roles are colocated on the pool). balance: deal rows to ranks
-        by tokens (trainer.balance_batch), else in consecutive runs."""
+    def __init__(self, pool: ResourcePool, build: Callable, *, role: str, share: float, seed: int) -> None:
+        """build(dp, device) -> the rank object, run in every rank's process. share: the fraction of each
+        bundle this role takes (1/k when k roles are colocated on the pool)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.world_size, self.balance = pool.world_size, balance
+        self.role, self.world_size = role, pool.world_size
         self.failure: str | None = None
         remote = ray.remote(RankActor)
         self.actors = [
@@ -255,20 +236,26 @@ class RoleGroup:
             [actor.setup.remote(build, master_addr, master_port) for actor in self.actors], "setup"
         )
 
-    # -------------------------------------------------------------- calls
     def call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
         """Call `method` on every rank (rank r gets per_rank_args[r]); the results in rank order."""
         if self.failure is not None:
-            raise WorkerGroupError(f"the {self.role_name} group was shut down after: {self.failure}")
+            raise WorkerGroupError(f"the {self.role} group was shut down after: {self.failure}")
         per_rank_args = per_rank_args or [()] * self.world_size
         refs = [actor.call.remote(method, *args, **kwargs) for actor, args in zip(self.actors, per_rank_args)]
         return self._wait(refs, method)
+
+    def replicas(self) -> list[RankReplica]:
+        return [RankReplica(actor, f"{self.role} rank {rank}") for rank, actor in enumerate(self.actors)]
 
     def start_profile(self) -> None:
         self._wait([actor.start_profile.remote() for actor in self.actors], "start_profile")
 
     def stop_profile(self, folder: str, name: str) -> None:
         self._wait([actor.stop_profile.remote(folder, name) for actor in self.actors], "stop_profile")
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order."""
+        return self._wait([actor.node_id.remote() for actor in self.actors], "node_id")
 
     def _wait(self, refs: list, what: str) -> list:
         """ray.get that fails fast: the first rank to fail stops the group instead of leaving peers hung."""
@@ -283,15 +270,11 @@ class RoleGroup:
             except Exception as exc:  # any failure of a rank ends the group
                 self.shutdown()
                 self.failure = (
-                    f"{self.role_name} rank {rank_of[ready[0]]} of {self.world_size} failed during "
+                    f"{self.role} rank {rank_of[ready[0]]} of {self.world_size} failed during "
                     f"{what}: {_first_line(exc)}"
                 )
                 raise WorkerGroupError(self.failure) from exc
         return ray.get(refs)
-
-    def node_ids(self) -> list[str]:
-        """The Ray node of each rank, in rank order."""
-        return self._wait([actor.node_id.remote() for actor in self.actors], "node_id")
 
     def shutdown(self) -> None:
         import ray
@@ -299,9 +282,114 @@ class RoleGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
 
-    # -------------------------------------------------------------- rows
+
+class LocalRanks:
+    """A role's one rank in this process (CPU runs, one GPU): the rank object a Ray actor would hold,
+    over a process group of one. Its failures propagate as they are; its profile is the driver's."""
+
+    remote = False
+    world_size = 1
+
+    def __init__(self, build: Callable, *, role: str, device: torch.device, seed: int) -> None:
+        self.role = role
+        torch.manual_seed(seed)  # as a Ray rank 0 seeds itself before it builds
+        self.rank = build(local_data_parallel(device), device)
+
+    def call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
+        args = per_rank_args[0] if per_rank_args else ()
+        return [getattr(self.rank, method)(*args, **kwargs)]
+
+    def replicas(self) -> list:
+        return [self.rank.replica]
+
+    def start_profile(self) -> None:
+        """Nothing to start: the driver's profiler sees this process."""
+
+    def stop_profile(self, folder: str, name: str) -> None:
+        """Nothing to write: the driver's profile holds this rank's work."""
+
+    def node_ids(self) -> list[str]:
+        return ["local"]
+
+    def shutdown(self) -> None:
+        close = getattr(self.rank, "close", None)
+        if close is not None:
+            close()
+
+
+Ranks = RayRanks | LocalRanks
+
+
+class RankReplica:
+    """A Ray policy rank's engine as a replica of the rollout manager: each call is an awaited call of
+    the rank actor's `replica` method (rollout/pool.py's Replica calls the trainer uses)."""
+
+    def __init__(self, actor, name: str) -> None:
+        self.actor, self.name = actor, name
+        self.capacity: int | None = None
+
+    async def rollouts(self, payload: dict, prompt_index: int):
+        return await self._call("rollouts", payload, prompt_index)
+
+    async def release_memory_occupation(self, tags=None) -> None:
+        await self._call("release_memory_occupation", tags)
+
+    async def resume_memory_occupation(self, tags=None) -> None:
+        await self._call("resume_memory_occupation", tags)
+
+    async def health(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        """The engine ends with its rank (the group's shutdown)."""
+
+    async def _call(self, method: str, *args):
+        from ray.exceptions import RayActorError
+
+        from trainer.rollout.client import ReplicaDown
+
+        try:
+            return await self.actor.replica.remote(method, *args)
+        except RayActorError as exc:
+            raise ReplicaDown(f"{self.name}: {_first_line(exc)}") from exc
+
+
+# ------------------------------------------------------------------------------ the driver's handle
+
+
+class RoleGroup:
+    """The ranks of one role. Subclasses give the role's methods; this class moves rows."""
+
+    role_name = "role"
+
+    def __init__(self, ranks: Ranks, *, balance: bool = True) -> None:
+        """balance: deal rows to ranks by tokens (trainer.balance_batch), else in consecutive runs."""
+        self.ranks, self.balance = ranks, balance
+        self.world_size = ranks.world_size
+
+    @property
+    def remote(self) -> bool:
+        return self.ranks.remote
+
+    def call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
+        return self.ranks.call_all(method, per_rank_args, **kwargs)
+
+    def start_profile(self) -> None:
+        self.ranks.start_profile()
+
+    def stop_profile(self, folder: str, name: str) -> None:
+        self.ranks.stop_profile(folder, name)
+
+    def node_ids(self) -> list[str]:
+        return self.ranks.node_ids()
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+
     def scatter(self, batch: TrainBatch, chunk: int | None = None) -> tuple[Scatter, list[tuple[TrainBatch]]]:
         """Rows for each rank, balanced by tokens within every `chunk` (mini-batch) of the batch."""
+        if self.world_size == 1:
+            return Scatter.whole(len(batch)), [(batch,)]
         tokens = (batch.prompt_lengths + batch.response_lengths).tolist()
         plan = Scatter.plan(tokens, self.world_size, chunk, balance=self.balance)
         return plan, [(batch.select(list(rows)),) for rows in plan.shards]
@@ -335,16 +423,12 @@ class ReferenceGroup(RoleGroup):
         return plan.gather_rows(parts, batch.response_width)
 
 
-class CriticGroup(RoleGroup):
-    role_name = "critic"
+class _TrainedGroup(RoleGroup):
+    """A role with an optimizer: updated a global mini-batch at a time, saved and loaded rank by rank."""
 
-    def __init__(self, pool: ResourcePool, build: Callable, *, mini_batch_size: int, **kwargs) -> None:
-        super().__init__(pool, build, **kwargs)
+    def __init__(self, ranks: Ranks, *, mini_batch_size: int, **kwargs) -> None:
+        super().__init__(ranks, **kwargs)
         self.mini_batch_size = mini_batch_size
-
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        plan, shards = self.scatter(batch)
-        return plan.gather_rows(self.call_all("compute_values", shards), batch.response_width)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         _, shards = self.scatter(batch, self.mini_batch_size)
@@ -357,17 +441,16 @@ class CriticGroup(RoleGroup):
         self.call_all("load", [(directory,)] * self.world_size)
 
 
-class PolicyGroup(RoleGroup):
+class CriticGroup(_TrainedGroup):
+    role_name = "critic"
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        plan, shards = self.scatter(batch)
+        return plan.gather_rows(self.call_all("compute_values", shards), batch.response_width)
+
+
+class PolicyGroup(_TrainedGroup):
     role_name = "policy"
-
-    def __init__(
-        self, pool: ResourcePool, build: Callable, *, mini_batch_size: int, ppo_epochs: int, **kwargs
-    ) -> None:
-        super().__init__(pool, build, **kwargs)
-        self.mini_batch_size, self.ppo_epochs = mini_batch_size, ppo_epochs
-
-    def is_on_policy(self, batch_size: int) -> bool:
-        return self.ppo_epochs == 1 and self.mini_batch_size >= batch_size
 
     def compute_logprobs(self, batch: TrainBatch, *, with_entropy: bool = False):
         from trainer.workers.logprobs import ResponseLogprobs
@@ -380,21 +463,16 @@ class PolicyGroup(RoleGroup):
             entropy=plan.gather_rows([p.entropy for p in parts], width) if with_entropy else None,
         )
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        _, shards = self.scatter(batch, self.mini_batch_size)
-        return _same_metrics_and_peak_memory(self.call_all("update", shards))
-
-    def profile(self) -> PolicyProfile:
+    def profile(self):
         return self.call_all("profile")[0]
 
-    def generate(self, prompt_ids: list[list[int]], sampling) -> list:
-        """Each rank's colocated engine samples a contiguous share of the prompts (n samples each)."""
-        bounds = [len(prompt_ids) * rank // self.world_size for rank in range(self.world_size + 1)]
-        shares = [(prompt_ids[lo:hi], sampling) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        rollouts = []
-        for lo, part in zip(bounds, self.call_all("generate", shares)):
-            rollouts += [dataclasses.replace(r, prompt_index=r.prompt_index + lo) for r in part]
-        return rollouts
+    def replicas(self) -> list:
+        """Every rank's colocated engine as a rollout replica, with its capacity (sequences at once)."""
+        replicas = self.ranks.replicas()
+        if self.remote:
+            for replica, capacity in zip(replicas, self.call_all("replica_capacity")):
+                replica.capacity = capacity
+        return replicas
 
     def sync_weights(self) -> float:
         """Every rank's engine takes the current policy weights; returns the slowest rank's seconds."""
@@ -403,39 +481,6 @@ class PolicyGroup(RoleGroup):
     def save_hf_weights(self, folder: str) -> None:
         """Rank 0 writes the current policy as a transformers checkpoint into `folder` (rollout servers)."""
         self.call_all("save_hf_weights", [(folder,)] * self.world_size)
-
-    def save(self, directory: str) -> None:
-        self.call_all("save", [(directory,)] * self.world_size)
-
-    def load(self, directory: str) -> None:
-        self.call_all("load", [(directory,)] * self.world_size)
-
-
-class GroupRolloutEngine:
-    """The policy ranks' colocated engines as one `RolloutEngine` for the loop.
-
-    load_weights() syncs every rank's engine from its FSDP shards (the argument is ignored: the weights
-    never pass through the driver). Each rank's engine holds its KV cache only while it generates.
-    """
-
-    def __init__(self, policy: PolicyGroup, pad_id: int) -> None:
-        self.policy, self.pad_id = policy, pad_id
-        self.last_sync_s = 0.0
-
-    def generate(self, prompt_ids: list[list[int]], sampling) -> list:
-        return self.policy.generate(prompt_ids, sampling)
-
-    def load_weights(self, _state_dict_or_model=None) -> None:
-        self.last_sync_s = self.policy.sync_weights()
-
-    def release_memory(self) -> None:
-        """Nothing to do: the ranks' KV caches exist only inside generate()."""
-
-    def resume_memory(self) -> None:
-        """Nothing to do: generate() allocates the KV caches."""
-
-    def close(self) -> None:
-        """The ranks' engines end with their group (Groups.shutdown)."""
 
 
 class GroupWeights:
@@ -448,3 +493,90 @@ class GroupWeights:
 
     def save_pretrained(self, folder, safe_serialization: bool = True) -> None:
         self.policy.save_hf_weights(str(folder))
+
+
+# ------------------------------------------------------------------------------ building a run's groups
+
+
+@dataclass
+class Groups:
+    """A run's role groups; the reference and critic exist when the config asks for them."""
+
+    policy: PolicyGroup
+    reference: ReferenceGroup | None
+    critic: CriticGroup | None
+    pools: list[ResourcePool]
+
+    def all(self) -> list[RoleGroup]:
+        return [g for g in (self.policy, self.reference, self.critic) if g is not None]
+
+    def shutdown(self) -> None:
+        for group in self.all():
+            group.shutdown()
+        for pool in self.pools:
+            pool.release()
+
+
+def build_groups(cfg: Config, device: torch.device, precision: Precision, steps: int) -> Groups:
+    """Every role's ranks, each loading its model: one local rank in this process, or (cfg.uses_ray:
+    trainer.use_ray, or more than one GPU) Ray actors over trainer.nnodes x trainer.n_gpus_per_node."""
+    from trainer.parallel import settings as rank_settings
+    from trainer.parallel.ranks import build_critic, build_policy, build_reference
+
+    trainer = cfg.trainer
+    builds = {
+        "policy": functools.partial(build_policy, rank_settings.policy_rank_settings(cfg, precision, steps))
+    }
+    if cfg.use_reference:
+        builds["reference"] = functools.partial(
+            build_reference, rank_settings.reference_rank_settings(cfg, precision)
+        )
+    if cfg.use_critic:
+        builds["critic"] = functools.partial(
+            build_critic, rank_settings.critic_rank_settings(cfg, precision, steps)
+        )
+    if cfg.uses_ray:
+        how = connect_ray(num_cpus=max(cfg.world_size, os.cpu_count() or 1) if device.type == "cpu" else None)
+        separate = trainer.role_pools == "separate"
+        pools = [
+            ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu=device.type == "cuda")
+            for _ in range(len(builds) if separate else 1)
+        ]
+        share = 1.0 if separate else 1.0 / len(builds)
+        ranks = {
+            role: RayRanks(pools[i if separate else 0], build, role=role, share=share, seed=trainer.seed)
+            for i, (role, build) in enumerate(builds.items())
+        }
+    else:
+        how, pools = "one rank in this process", []
+        ranks = {
+            role: LocalRanks(build, role=role, device=device, seed=trainer.seed)
+            for role, build in builds.items()
+        }
+    policy_settings = builds["policy"].args[0]
+    groups = Groups(
+        policy=PolicyGroup(
+            ranks["policy"],
+            mini_batch_size=policy_settings.update.mini_batch_size,
+            balance=trainer.balance_batch,
+        ),
+        reference=ReferenceGroup(ranks["reference"], balance=trainer.balance_batch)
+        if "reference" in ranks
+        else None,
+        critic=CriticGroup(
+            ranks["critic"],
+            mini_batch_size=builds["critic"].args[0].update.mini_batch_size,
+            balance=trainer.balance_batch,
+        )
+        if "critic" in ranks
+        else None,
+        pools=pools,
+    )
+    log.info(
+        "%s; %d rank(s) per role on %d node(s), roles %s",
+        how,
+        groups.policy.world_size,
+        len(set(groups.policy.node_ids())),
+        "on separate GPUs" if trainer.role_pools == "separate" else "colocated",
+    )
+    return groups
