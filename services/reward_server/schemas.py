@@ -14,7 +14,7 @@ from services.common.wire import JsonInt
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, with_config
 from typing_extensions import NotRequired, TypedDict
 
-ScorerName = Literal["gsm8k", "math", "qa_em", "qa_f1", "model"]
+ScorerName = Literal["gsm8k", "math", "qa_em", "qa_f1", "model", "code"]
 
 
 # Bounds on the additive terms: any sum of them stays a finite float (1e308 + 1e308 would not).
@@ -67,6 +67,11 @@ class RewardOptions(BaseModel):
     overlong_penalty_factor: float = Field(
         1.0, ge=0, le=MAX_TERM, description="Penalty at (and beyond) max_len."
     )
+    code_score: Literal["pass_rate", "all_pass"] = Field(
+        "pass_rate",
+        description="Code items: the pass rate of the first 10 test cases (verl), or 1 only when every "
+        "case passes. Either way `correct` means every case passed.",
+    )
     deadline_s: float | None = Field(
         None,
         gt=0,
@@ -84,7 +89,8 @@ class RewardItem(BaseModel):
     data_source: str = Field(description="Selects the scorer the way verl does, e.g. 'openai/gsm8k', 'nq'.")
     response: str = Field(description="The generated text (the response only, not the prompt).")
     ground_truth: str | list[str] | dict[str, Any] = Field(
-        description="reward_model.ground_truth: a string (gsm8k, math), or {'target': [...]} / a list (QA)."
+        description="reward_model.ground_truth: a string (gsm8k, math), {'target': [...]} / a list (QA), "
+        "or code tests (JSON or an object: inputs/outputs[/fn_name] or assert_case)."
     )
     extra_info: dict[str, Any] | None = Field(
         None, description="verl's extra_info; response_length (tokens) here drives overlong shaping."

@@ -9,17 +9,19 @@ Dispatch follows verl's `default_compute_score` (an item's explicit `scorer` fie
   searchR1_*                                                             -> qa_em
   lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, math_dapo, any name
   containing "math", aime*, amc*, numina_*                               -> math
+  codecontests, apps, codeforces, taco, humaneval, openai/openai_humaneval -> code
 verl scores math_dapo/aime with its own "Answer:" scorer and numina_* with prime_math; here all of
 them go through math-verify, which reads those answer styles too.
 
 Cheap scorers (gsm8k, QA) run in one thread beside the caller's event loop (never on it: a batch of
 16k items is tens of milliseconds of CPU), in linear time whatever the text. math-verify runs in the
 killable worker pool with a deadline per item, queued fairly against other batches; the reward model
-runs in a thread. A batch has a deadline too (`request_deadline_s`, or a shorter `options.deadline_s`):
-items not scored by then get a "deadline" error, and their queued or running pool work is dropped, as
-it is when the caller stops waiting (the server cancels a batch whose client disconnected). An item
-that cannot be scored (unknown data_source, a ground truth of the wrong shape, a timeout) gets score 0
-and `error`; the rest of its batch is unaffected.
+runs in a thread; code items run their test cases in the code-executor (`code_executor_url`), one
+batch request per scored batch. A batch has a deadline too (`request_deadline_s`, or a shorter
+`options.deadline_s`): items not scored by then get a "deadline" error, and their queued or running
+pool work is dropped, as it is when the caller stops waiting (the server cancels a batch whose client
+disconnected). An item that cannot be scored (unknown data_source, a ground truth of the wrong shape, a
+timeout) gets score 0 and `error`; the rest of its batch is unaffected.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
+from services.code_executor.client import CodeExecutorClient
+from services.common.client import ServiceError
 from services.reward_server.schemas import RewardItem, RewardOptions, RewardResult, ScorerName
+from services.scoring import code as code_scorer
 from services.scoring import gsm8k, qa, shaping
 from services.scoring import math as math_scorer
 from services.scoring.pool import KillablePool
@@ -43,6 +48,9 @@ from services.scoring.pool import KillablePool
 GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k", "synthetic-arith"})
 QA_SOURCES = frozenset({"nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"})
 MATH_PREFIXES = ("aime", "amc", "numina_")
+CODE_SOURCES = frozenset(
+    {"codecontests", "apps", "codeforces", "taco", "humaneval", "openai/openai_humaneval"}
+)
 MAX_RESPONSE_TOKENS = 10**9  # beyond any context window; bounds the overlong arithmetic
 DEFAULT_OPTIONS = RewardOptions()
 
@@ -79,6 +87,12 @@ SCORER_DOCS: dict[str, ScorerDoc] = {
         "over the golden answers.",
         data_sources="none (select with scorer='qa_f1')",
         answer_format="exactly one <answer>...</answer>",
+    ),
+    "code": ScorerDoc(
+        description="The response's last ```python block run against the row's test cases in the "
+        "code-executor: the pass rate of the first 10 cases (verl), or all-pass (options.code_score).",
+        data_sources="codecontests, apps, codeforces, taco, humaneval, openai/openai_humaneval",
+        answer_format="a ```python code block",
     ),
     "model": ScorerDoc(
         description="A neural reward model (AutoModelForSequenceClassification) scoring (prompt, response).",
@@ -120,6 +134,13 @@ class ScorerSettings(BaseModel):
     model_max_length: int = Field(4096, ge=8, description="Tokens per pair; longer inputs lose their start.")
     model_threshold: float = Field(0.0, description="A reward-model score above this counts as `correct`.")
     model_trust_remote_code: bool = Field(False, description="Allow the reward model's own modelling code.")
+    code_executor_url: str | None = Field(
+        None,
+        description="code-executor base URL(s), comma-separated (e.g. http://127.0.0.1:8003); enables "
+        "scorer 'code'.",
+    )
+    code_run_timeout_s: float = Field(10.0, gt=0, description="Wall time of one code test case (verl: 10).")
+    code_memory_mb: int = Field(1024, ge=16, description="Memory of one code test case in MiB (verl: 1024).")
 
 
 @dataclass(slots=True)
@@ -142,6 +163,8 @@ def scorer_for(data_source: str) -> ScorerName | None:
         return "gsm8k"
     if data_source in QA_SOURCES or data_source.startswith("searchR1_"):
         return "qa_em"
+    if data_source in CODE_SOURCES:
+        return "code"
     lowered = data_source.lower()
     if "math" in lowered or lowered.startswith(MATH_PREFIXES):
         return "math"
@@ -224,7 +247,7 @@ def score_inline(items: Sequence[dict], names: Sequence[str | None], options: Re
             scored.append(score_gsm8k_item(item, options))
         elif name == "qa_em" or name == "qa_f1":
             scored.append(score_qa_item(item, name, options))
-        elif name == "math" or name == "model":
+        elif name in ("math", "model", "code"):
             scored.append(None)
         else:
             scored.append(failed("none", unknown_scorer_message(item)))
@@ -287,6 +310,8 @@ class LocalScorer:
         self.close()
 
     def available(self, scorer: str) -> bool:
+        if scorer == "code":
+            return self.settings.code_executor_url is not None
         return scorer != "model" or self.reward_model is not None
 
     def deadline_of(self, options: RewardOptions) -> float:
@@ -308,6 +333,7 @@ class LocalScorer:
         names = [item.get("scorer") or scorer_for(item["data_source"]) for item in items]
         math_indices = [i for i, name in enumerate(names) if name == "math"]
         model_indices = [i for i, name in enumerate(names) if name == "model"]
+        code_indices = [i for i, name in enumerate(names) if name == "code"]
         loop = asyncio.get_running_loop()
         inline = loop.run_in_executor(self._inline, score_inline, items, names, options)
         group = object()  # one fair-queue group per batch: the pool alternates between batches
@@ -315,15 +341,20 @@ class LocalScorer:
             [
                 *(self._score_math(items[i], options, group) for i in math_indices),
                 self._score_model([items[i] for i in model_indices]),
+                self._score_code([items[i] for i in code_indices], options),
             ],
             deadline_s,
         )
-        scored, (*math_scored, model_scored) = await asyncio.gather(inline, slow)
+        scored, (*math_scored, model_scored, code_scored) = await asyncio.gather(inline, slow)
         for index, value in zip(math_indices, math_scored):
             scored[index] = value or late("math", deadline_s)
         if model_scored is None:
             model_scored = [late("model", deadline_s)] * len(model_indices)
         for index, value in zip(model_indices, model_scored):
+            scored[index] = value
+        if code_scored is None:
+            code_scored = [late("code", deadline_s)] * len(code_indices)
+        for index, value in zip(code_indices, code_scored):
             scored[index] = value
         if options.format_bonus or options.format_penalty or options.overlong_enable:
             scored = [shape(value, item, options) for value, item in zip(scored, items)]
@@ -369,3 +400,49 @@ class LocalScorer:
             return [failed("model", f"reward model failed: {type(exc).__name__}: {exc}") for _ in items]
         threshold = self.settings.model_threshold
         return [Scored("model", value, value > threshold) for value in values]
+
+    async def _score_code(self, items: list[dict], options: RewardOptions) -> list[Scored]:
+        """Every test case of every item in one batch to the code-executor (split by its client)."""
+        if not items:
+            return []
+        if self.settings.code_executor_url is None:
+            return [failed("code", "no code-executor configured (code_executor_url)") for _ in items]
+        plans = [code_plan(item, self.settings) for item in items]
+        requests = [request for plan in plans if not isinstance(plan, Scored) for request in plan[1]]
+        try:
+            async with CodeExecutorClient(self.settings.code_executor_url, timeout_s=600.0) as client:
+                responses = await client.run_batch(requests)
+        except ServiceError as exc:
+            return [failed("code", f"code-executor: {exc}") for _ in items]
+        scored, position = [], 0
+        for plan in plans:
+            if isinstance(plan, Scored):
+                scored.append(plan)
+                continue
+            tests, requests_of_item = plan
+            answers = responses[position : position + len(requests_of_item)]
+            position += len(requests_of_item)
+            scored.append(judge_code(tests, answers, options.code_score == "all_pass"))
+        return scored
+
+
+def code_plan(item: dict, settings: ScorerSettings):
+    """An item's test runs as (tests, requests), or its final Scored when there is nothing to run."""
+    try:
+        tests = code_scorer.parse_tests(item["ground_truth"])
+    except ValueError as exc:
+        return failed("code", str(exc))
+    program = code_scorer.extract_code(item["response"])
+    if program is None:
+        return Scored("code", 0.0, False, None, None, False)
+    requests = code_scorer.case_requests(program, tests, settings.code_run_timeout_s, settings.code_memory_mb)
+    return tests, requests
+
+
+def judge_code(tests, responses, all_pass: bool) -> Scored:
+    problem = code_scorer.sandbox_failure(responses)
+    if problem is not None:
+        return failed("code", problem)
+    passed = [code_scorer.case_passed(case, response) for case, response in zip(tests.cases, responses)]
+    score, correct = code_scorer.code_score(passed, all_pass)
+    return Scored("code", score, correct, f"{sum(passed)}/{len(passed)} cases passed", None, True)

@@ -77,7 +77,8 @@ def copy_sources(dockerfile_text: str, args: dict[str, str]) -> list[str]:
 
 
 def test_the_four_services():
-    assert set(SERVICES) == {"data-server", "reward-server", "retrieval-server", TRAINER}
+    assert set(SERVICES) == {"data-server", "reward-server", "retrieval-server", "code-executor", TRAINER}
+    assert SERVICES["code-executor"]["profiles"] == ["code"]  # optional: only with `--profile code`
 
 
 @pytest.mark.parametrize("name", sorted(set(SERVICES) - {TRAINER}))
@@ -99,7 +100,8 @@ def test_trainer_urls_match_services_ports_and_wait_for_health():
         assert host in SERVICES and int(port) == container_port(host), url
         assert trainer["depends_on"][host] == {"condition": "service_healthy"}
         assert "healthcheck" in SERVICES[host]
-    assert set(trainer["depends_on"]) == set(SERVICES) - {TRAINER}
+    always_up = {name for name, service in SERVICES.items() if "profiles" not in service}
+    assert set(trainer["depends_on"]) == always_up - {TRAINER}
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))

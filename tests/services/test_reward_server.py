@@ -307,8 +307,8 @@ def test_seed_routes(server):
 
 def test_scorers_health_metrics_and_docs(server):
     listed = httpx.get(server + "/v1/scorers").json()
-    assert [s["name"] for s in listed["scorers"]] == ["gsm8k", "math", "qa_em", "qa_f1", "model"]
-    assert [s["available"] for s in listed["scorers"]] == [True, True, True, True, False]
+    assert [s["name"] for s in listed["scorers"]] == ["gsm8k", "math", "qa_em", "qa_f1", "code", "model"]
+    assert [s["available"] for s in listed["scorers"]] == [True, True, True, True, False, False]
     assert listed["limits"] == {
         "max_items": 64,
         "max_string_chars": 5000,

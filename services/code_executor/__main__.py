@@ -1,0 +1,35 @@
+"""python -m services.code_executor --port 8003 [--workers N] [--max-run-timeout-s S] ...
+
+The sandbox is tried before the server binds its port: where it cannot run programs (no user
+namespaces, no bubblewrap) the process exits non-zero with the reason, and never runs code unsandboxed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.common.settings import add_settings_arguments, settings_from_namespace
+
+
+def main(argv: list[str] | None = None) -> None:
+    from services.code_executor.app import CodeExecutorSettings, create_app, make_executor
+    from services.code_executor.sandbox import SandboxUnavailable
+    from services.common.app import serve
+
+    parser = argparse.ArgumentParser(
+        prog="python -m services.code_executor", description=CodeExecutorSettings.__doc__
+    )
+    add_settings_arguments(parser, CodeExecutorSettings)
+    settings = settings_from_namespace(
+        CodeExecutorSettings, parser.parse_args(sys.argv[1:] if argv is None else argv)
+    )
+    try:
+        make_executor(settings)
+    except SandboxUnavailable as exc:
+        sys.exit(f"error: {exc}")
+    serve(create_app(settings), settings)
+
+
+if __name__ == "__main__":
+    main()

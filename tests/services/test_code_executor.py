@@ -1,0 +1,367 @@
+"""code-executor as a real process: HumanEval through the scorer, hostile programs, bad input, refusal.
+
+The hostile programs run all at once beside a stream of good requests; each must end within its
+limits as a failed run (never a 5xx or a hang), leave no process of the sandbox uids and nothing on
+the host's disk, and every good request must succeed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from services.code_executor.client import CodeExecutorClient
+from services.code_executor.schemas import RunCodeRequest
+from services.data_server.sources import load_spec
+from services.scoring import LocalScorer
+from tests.helpers import ROOT, free_port, service_process
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bubblewrap is Linux-only")
+
+RUN_TIMEOUT_S = 2.0
+OUTPUT_LIMIT = 64 * 1024
+SECRET = f"s3cret-{uuid.uuid4().hex}"
+UID_BASE = 61500
+WORKERS = 2
+MARKER = f"pwned-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = [
+        "--workers",
+        str(WORKERS),
+        "--uid-base",
+        str(UID_BASE),
+        "--max-run-timeout-s",
+        "10",
+        "--max-queued",
+        "200",
+        "--max-batch-runs",
+        "256",
+        "--max-output-bytes",
+        str(OUTPUT_LIMIT),
+        "--max-memory-mb",
+        "2048",
+        "--scratch-mb",
+        "16",
+        "--log-level",
+        "warning",
+    ]
+    with service_process("services.code_executor", *args, env={"SECRET_TOKEN": SECRET}) as (url, proc):
+        yield url
+
+
+def run(url: str, code: str, timeout: float = 30, **fields) -> httpx.Response:
+    return httpx.post(url + "/run_code", json={"code": code, "language": "python", **fields}, timeout=timeout)
+
+
+def sandbox_processes() -> list[str]:
+    """Processes owned by the sandbox uids of this test's server (there must be none between runs)."""
+    listing = subprocess.run(["ps", "-eo", "uid=,pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in listing.splitlines() if UID_BASE <= int(line.split()[0]) < UID_BASE + WORKERS]
+
+
+# ---------------------------------------------------------------- the API as verl and SandboxFusion use it
+
+
+def test_verl_payload_and_sandbox_fusion_fields(server):
+    # verl's call_sandbox_api body, field for field
+    body = {
+        "compile_timeout": 10,
+        "run_timeout": 10,
+        "code": "import sys\nname = input()\nprint('hello', name)\nsys.stderr.write('warn')\n",
+        "stdin": "verl",
+        "memory_limit_MB": 1024,
+        "language": "python",
+        "files": {},
+        "fetch_files": [],
+    }
+    answer = httpx.post(server + "/run_code", json=body, timeout=30).json()
+    assert answer["status"] == "Success" and answer["message"] == "" and answer["compile_result"] is None
+    result = answer["run_result"]
+    assert result["status"] == "Finished" and result["return_code"] == 0
+    assert result["stdout"] == "hello verl\n" and result["stderr"] == "warn"
+    assert 0 < result["execution_time"] < 5 and answer["files"] == {}
+
+    failed = run(server, "raise SystemExit(3)", stdin=None).json()
+    assert failed["status"] == "Failed" and failed["run_result"]["return_code"] == 3
+
+
+def test_files_are_laid_in_the_scratch_dir_and_bash_runs(server):
+    files = {"data/in.txt": "NDI=", "helper.py": "VkFMVUUgPSA3Cg=="}  # "42", "VALUE = 7\n"
+    code = "import helper\nprint(open('data/in.txt').read(), helper.VALUE)"
+    assert run(server, code, files=files).json()["run_result"]["stdout"] == "42 7\n"
+    bash = httpx.post(server + "/run_code", json={"code": "echo $((6*7))", "language": "bash"}, timeout=30)
+    assert bash.json()["run_result"]["stdout"] == "42\n"
+    languages = httpx.get(server + "/v1/languages").json()["languages"]
+    assert [lang["name"] for lang in languages] == ["python", "bash"]
+
+
+# ---------------------------------------------------------------- rewards: HumanEval through the scorer
+
+
+def humaneval_items(solution) -> list[dict]:
+    rows = load_spec("humaneval", seed=0, synthetic_sizes={}).splits["test"]
+    return [
+        {
+            "data_source": row["data_source"],
+            "response": f"```python\n{solution(row['extra_info'])}```",
+            "ground_truth": row["reward_model"]["ground_truth"],
+        }
+        for row in rows
+    ]
+
+
+def test_humaneval_canonical_solutions_score_one_and_a_wrong_one_zero(server):
+    items = humaneval_items(lambda extra: extra["prompt"] + extra["canonical_solution"])
+    assert len(items) == 164
+    wrong = humaneval_items(lambda extra: extra["prompt"] + "    return None\n")[:3]
+
+    async def score():
+        async with LocalScorer(math_workers=1, code_executor_url=server) as scorer:
+            return await scorer.score(items + wrong + [{**items[0], "response": "no code here"}])
+
+    results = asyncio.run(score())
+    failures = [(item["ground_truth"][:60], r) for item, r in zip(items, results) if r.score != 1.0]
+    assert not failures, failures[:3]
+    assert all(r.correct and r.error is None and r.extracted == "1/1 cases passed" for r in results[:164])
+    assert [(r.score, r.correct, r.error) for r in results[164:]] == [(0.0, False, None)] * 4
+
+
+def test_stdin_and_call_based_cases_give_verl_pass_rates(server):
+    stdin_truth = json.dumps(
+        {"inputs": ["1 2\n", "3 4\n", "5 5\n", "0 0\n"], "outputs": ["3\n", "7", "10", "1"]}
+    )
+    call_truth = {"inputs": ["[1, 2]\n5", "[]\n0"], "outputs": ["[1, 2, 5]", "[0]"], "fn_name": "push"}
+    adder = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    pusher = "```python\nclass Solution:\n    def push(self, xs, x):\n        return xs + [x]\n```"
+    items = [
+        {"data_source": "codecontests", "response": adder, "ground_truth": stdin_truth},
+        {"data_source": "apps", "response": pusher, "ground_truth": call_truth},
+        {"data_source": "taco", "response": adder, "ground_truth": "not json"},
+    ]
+
+    async def score(options=None):
+        async with LocalScorer(math_workers=1, code_executor_url=server) as scorer:
+            return await scorer.score(items, options)
+
+    rate, call, broken = asyncio.run(score())
+    assert (rate.score, rate.correct) == (0.75, False)  # 0 + 0 is not 1: three of four cases pass
+    assert (call.score, call.correct) == (1.0, True)
+    assert broken.score == 0.0 and "ground_truth" in broken.error
+    from services.reward_server.schemas import RewardOptions
+
+    strict, _, _ = asyncio.run(score(RewardOptions(code_score="all_pass")))
+    assert strict.score == 0.0
+
+
+def test_reward_server_scores_code_through_the_code_executor(server):
+    items = humaneval_items(lambda extra: extra["prompt"] + extra["canonical_solution"])[:2]
+    items[1]["response"] = "```python\ndef truncate_number(number):\n    return 0.0\n```"
+    args = ["--math-workers", "1", "--code-executor-url", server, "--log-level", "warning"]
+    with service_process("services.reward_server", *args) as (url, _):
+        results = httpx.post(url + "/v1/rewards", json={"items": items}, timeout=60).json()["results"]
+        scorers = httpx.get(url + "/v1/scorers").json()["scorers"]
+    assert [(r["score"], r["correct"]) for r in results] == [(1.0, True), (0.0, False)]
+    assert {s["name"]: s["available"] for s in scorers}["code"] is True
+
+
+# ---------------------------------------------------------------- hostile programs
+
+HOSTILE = {
+    "infinite loop": ("while True:\n    pass\n", "TimeLimitExceeded"),
+    "fork bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "TimeLimitExceeded",
+    ),
+    "memory bomb": ("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))\n", "Finished"),
+    "disk filler": (
+        "i = 0\nwhile True:\n    open(f'fill{i}', 'wb').write(b'x' * (1 << 20))\n    i += 1\n",
+        "Finished",
+    ),
+    "endless output": ("while True:\n    print('x' * 1000)\n", "Finished"),
+    "setsid child": (
+        "import subprocess, sys\n"
+        "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "loop = 'import os, time\\nos.setsid()\\nwhile True: time.sleep(1)'\n"
+        "subprocess.Popen([sys.executable, '-c', loop])\n"
+        "raise SystemExit('detached two children and left')\n",
+        "Finished",
+    ),
+    "kills its parent": (
+        "import os, signal\nfor pid in (os.getppid(), 1):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+        "    except OSError:\n        pass\nos.kill(-1, signal.SIGKILL)\n",
+        "Finished",
+    ),
+    "connects to the service": (
+        "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n",
+        "Finished",
+    ),
+    "reads secrets": (
+        "import glob, os\nprint(dict(os.environ))\n"
+        "for path in glob.glob('/proc/*/environ'):\n    print(open(path).read())\n"
+        "print(open('/etc/shadow').read())\n",
+        "Finished",
+    ),
+    "writes outside its scratch dir": (
+        "import os\nwrote = []\n"
+        "paths = ['/usr/{m}', '/etc/{m}', '/{m}', '/tmp/../{m}', '/root/{m}', '/proc/{m}', '/dev/{m}']\n"
+        "for path in paths + ['{root}/{m}']:\n"
+        "    try:\n        open(path, 'w').write('x')\n        wrote.append(path)\n"
+        "    except OSError:\n        pass\n"
+        "print(wrote)\nopen('/usr/{m}', 'w')\n",
+        "Finished",
+    ),
+}
+
+
+def hostile_code(name: str, port: int) -> str:
+    return HOSTILE[name][0].replace("{port}", str(port)).replace("{m}", MARKER).replace("{root}", str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def hostile_outcomes(server):
+    """Every hostile program at once, each as its own request, with good requests streaming beside them."""
+    port = int(server.rsplit(":", 1)[1])
+    before = set(os.listdir("/tmp"))
+    stop = time.monotonic() + 60
+    good: list[tuple[int, str, float]] = []
+
+    def good_client():
+        with httpx.Client(timeout=60) as client:
+            while len(good) < 10 or (time.monotonic() < stop and len(good) < 40):
+                start = time.monotonic()
+                answer = client.post(server + "/run_code", json={"code": "print(sum(range(10)))"})
+                good.append((answer.status_code, answer.text, time.monotonic() - start))
+
+    def hostile(name):
+        start = time.monotonic()
+        answer = run(
+            server, hostile_code(name, port), timeout=60, run_timeout=RUN_TIMEOUT_S, memory_limit_MB=256
+        )
+        return name, answer, time.monotonic() - start
+
+    with concurrent.futures.ThreadPoolExecutor(len(HOSTILE) + 1) as pool:
+        good_future = pool.submit(good_client)
+        outcomes = {name: (answer, took) for name, answer, took in pool.map(hostile, HOSTILE)}
+        stop = time.monotonic()  # noqa: F841 - read by good_client through the closure
+        good_future.result()
+    time.sleep(0.2)
+    return outcomes, good, before
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_program_fails_within_its_limits(hostile_outcomes, name):
+    outcomes, _, _ = hostile_outcomes
+    answer, took = outcomes[name]
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    result = body["run_result"]
+    assert body["status"] == "Failed", body
+    assert result["status"] == HOSTILE[name][1], result
+    # each run waits for at most the other runs ahead of it on 2 workers, then its own 2 s
+    assert took < 30 and result["execution_time"] < RUN_TIMEOUT_S + 1.0, (took, result)
+    text = (result["stdout"] or "") + (result["stderr"] or "")
+    assert SECRET not in text
+    if name == "endless output":
+        assert len(result["stdout"]) == OUTPUT_LIMIT and result["return_code"] == 137
+        assert "output limit" in result["stderr"]
+    if name == "memory bomb":
+        assert "MemoryError" in result["stderr"]
+    if name == "disk filler":
+        assert "No space left on device" in result["stderr"]
+    if name == "reads secrets":
+        assert "PATH" in result["stdout"] and "No such file or directory: '/etc/shadow'" in result["stderr"]
+    if name == "connects to the service":
+        assert "ConnectionRefusedError" in result["stderr"]
+    if name == "writes outside its scratch dir":
+        assert result["stdout"] == "[]\n"
+
+
+def test_hostile_programs_leave_nothing_behind(hostile_outcomes):
+    _, _, before = hostile_outcomes
+    assert sandbox_processes() == []
+    for path in (f"/usr/{MARKER}", f"/etc/{MARKER}", f"/{MARKER}", f"/root/{MARKER}", f"/dev/{MARKER}"):
+        assert not os.path.exists(path), path
+    assert not os.path.exists(ROOT / MARKER)
+    new = [entry for entry in set(os.listdir("/tmp")) - before if entry.startswith(("fill", "run"))]
+    assert new == []
+
+
+def test_good_requests_succeed_beside_hostile_ones(hostile_outcomes):
+    _, good, _ = hostile_outcomes
+    assert len(good) >= 10
+    for status, text, _ in good:
+        assert status == 200 and json.loads(text)["run_result"]["stdout"] == "45\n", text
+
+
+# ---------------------------------------------------------------- bad input, limits, refusal
+
+
+@pytest.mark.parametrize(
+    "body, status, names",
+    [
+        ({"language": "python"}, 422, "code"),
+        ({"code": "print(1)", "language": "rust"}, 422, "language"),
+        ({"code": "print(1)", "run_timeout": 11}, 422, "run_timeout"),
+        ({"code": "print(1)", "run_timeout": -1}, 422, "run_timeout"),
+        ({"code": "print(1)", "memory_limit_MB": 4096}, 422, "memory_limit_MB"),
+        ({"code": "print(1)", "memory_limit_MB": -7}, 422, "memory_limit_MB"),
+        ({"code": "print(1)", "files": {"../x": "eA=="}}, 422, "files"),
+        ({"code": "print(1)", "files": {"x": "not base64!"}}, 422, "files"),
+        ({"code": "print(1)", "fetch_files": ["out.txt"]}, 422, "fetch_files"),
+        ({"code": "print(1)", "color": "red"}, 422, "color"),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_the_field(server, body, status, names):
+    answer = httpx.post(server + "/run_code", json=body, timeout=30)
+    assert answer.status_code == status, answer.text
+    assert names in answer.json()["error"]
+
+
+def test_batch_limits_and_queue_bound(server):
+    runs = [{"code": "print(1)"}] * 257
+    too_many = httpx.post(server + "/v1/runs", json={"runs": runs}, timeout=30)
+    assert too_many.status_code == 413 and "runs" in too_many.json()["error"]
+    bad = httpx.post(server + "/v1/runs", json={"runs": [{"code": "1"}, {"code": "1", "run_timeout": 99}]})
+    assert bad.status_code == 422 and "runs.1.run_timeout" in bad.json()["error"]
+    # 250 runs on 2 workers would queue 248, over the bound of 200: refused at once, not queued
+    full = httpx.post(server + "/v1/runs", json={"runs": runs[:250]}, timeout=30)
+    assert full.status_code == 503 and "queue" in full.json()["error"]
+
+    async def through_client():
+        async with CodeExecutorClient(server) as client:
+            return await client.run_batch(
+                [RunCodeRequest(code=f"print({i} * 2)") for i in range(7)], per_request=3
+            )
+
+    assert [r.run_result.stdout for r in asyncio.run(through_client())] == [f"{i * 2}\n" for i in range(7)]
+
+
+def test_refuses_to_start_without_a_working_sandbox(tmp_path):
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    command = [
+        sys.executable,
+        "-m",
+        "services.code_executor",
+        "--port",
+        str(free_port()),
+        "--bwrap",
+        str(fake),
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "the sandbox cannot run programs here" in done.stderr and "user namespaces" in done.stderr
+    assert "unsandboxed" in done.stderr
