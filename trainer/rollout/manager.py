@@ -19,6 +19,7 @@ import concurrent.futures
 import shutil
 import tempfile
 import threading
+from dataclasses import replace
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,9 +33,12 @@ from trainer.rollout.protocol import rollouts_from_outputs, wire_sampling
 T = TypeVar("T")
 
 
-def prompt_seed(seed: int, prompt_index: int) -> int:
-    """A distinct, reproducible seed per prompt of a seeded batch (same seed, same prompt: same samples)."""
-    mixed = np.random.SeedSequence([seed & (2**63 - 1), prompt_index]).generate_state(1, np.uint64)[0]
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A distinct, reproducible seed per sample of a seeded batch (same seed, same prompt and sample
+    index: same sample). SGLang applies one sampling_seed to all n samples of a request, which would make
+    a GRPO group n copies of one response, so a seeded prompt is sent as n requests of n=1."""
+    entropy = [seed & (2**63 - 1), prompt_index, sample_index]
+    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
     return int(mixed >> np.uint64(1))
 
 
@@ -105,16 +109,24 @@ class RolloutManager:
     async def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
         await self.pool.revive(self._resync)
 
-        async def one(index: int, prompt: list[int]) -> list[Rollout]:
-            seed = None if sampling.seed is None else prompt_seed(sampling.seed, index)
+        async def one(index: int, prompt: list[int], params: SamplingParams) -> list[Rollout]:
             payload = {
                 "input_ids": list(prompt),
-                "sampling_params": wire_sampling(sampling, seed),
+                "sampling_params": wire_sampling(params),
                 "return_logprob": True,
             }
-            return rollouts_from_outputs(prompt, index, await self.pool.generate(payload, weight=sampling.n))
+            return rollouts_from_outputs(prompt, index, await self.pool.generate(payload, weight=params.n))
 
-        groups = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_ids)))
+        calls = []
+        for index, prompt in enumerate(prompt_ids):
+            if sampling.seed is None:
+                calls.append(one(index, prompt, sampling))
+                continue
+            for j in range(sampling.n):  # one seed per sample (sample_seed says why)
+                calls.append(
+                    one(index, prompt, replace(sampling, n=1, seed=sample_seed(sampling.seed, index, j)))
+                )
+        groups = await asyncio.gather(*calls)
         return [rollout for group in groups for rollout in group]
 
     async def _load_weights(self, source) -> None:
