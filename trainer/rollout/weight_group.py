@@ -35,7 +35,7 @@ def init_weight_group(
     timeout: datetime.timedelta = TIMEOUT,
 ) -> dist.ProcessGroup:
     """Join the group (blocks until all world_size ranks have joined; rank 0 hosts the store)."""
-    from torch.distributed.distributed_c10d import _new_process_group_helper, rendezvous
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
 
     if not group_name:
         raise ValueError("group_name must not be empty")
@@ -52,6 +52,7 @@ def init_weight_group(
         group_name=group_name,
         timeout=timeout,
     )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # collectives look the ranks up here
     return group
 
 
