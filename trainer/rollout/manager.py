@@ -202,10 +202,15 @@ def http_manager(
     config_dir: str | None = None,
     token: str | None = None,
     servers=None,
+    weights_dir: str | None = None,
     **pool_kwargs,
 ) -> RolloutManager:
-    """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close())."""
+    """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close()).
+    weights_dir: where /update_weights_from_disk checkpoints go; a path the servers see too (a shared
+    filesystem) when they run on other machines."""
     from trainer.rollout.client import HttpReplica
 
     pool = ReplicaPool([HttpReplica(u, token=token) for u in urls], **pool_kwargs)
-    return RolloutManager(pool, pad_id=pad_id, config_dir=config_dir, servers=servers)
+    return RolloutManager(
+        pool, pad_id=pad_id, config_dir=config_dir, servers=servers, weights_dir=weights_dir
+    )
