@@ -29,6 +29,8 @@ from services.common.settings import ServiceSettings
 from services.reward_server.schemas import (
     REWARDS_REQUEST,
     Limits,
+    OpenRLHFRewardRequest,
+    OpenRLHFRewardResponse,
     RewardsRequest,
     RewardsResponse,
     ScorerInfo,
@@ -60,6 +62,9 @@ class RewardServerSettings(ScorerSettings, ServiceSettings):
     max_items: int = Field(16384, ge=1, description="Most items in one request; more get 413.")
     max_string_chars: int = Field(
         262144, ge=1, description="Longest response / prompt / ground_truth string; longer ones get 413."
+    )
+    openrlhf_data_source: str = Field(
+        "openai/gsm8k", description="The scorer's data_source for a /get_reward body that names none."
     )
 
 
@@ -295,6 +300,28 @@ def create_app(settings: RewardServerSettings | None = None, scorer: LocalScorer
         metrics.items.labels("gsm8k").inc(len(batch.items))
         return score_seed_batch(batch)
 
+    @app.post(
+        "/get_reward",
+        response_model=OpenRLHFRewardResponse,
+        tags=["openrlhf-compatible"],
+        responses={
+            **LIMIT_RESPONSES,
+            409: {"description": "prompts, labels or datasources differ from query in length."},
+        },
+    )
+    async def get_reward(body: OpenRLHFRewardRequest, scorer: LocalScorer = Depends(get_scorer)) -> dict:
+        """OpenRLHF's remote reward model protocol (`--remote_rm_url http://host:8001/get_reward`)."""
+        items = openrlhf_items(body, settings.openrlhf_data_source)
+        check_sizes(items, settings.max_items, settings.max_string_chars)
+        scored = await scorer.score_items(items)
+        metrics.count(scored)
+        rewards = [s.score for s in scored]
+        return {
+            "rewards": rewards,
+            "scores": rewards,
+            "extra_logs": {"correct": [float(s.correct) for s in scored]},
+        }
+
     return app
 
 
@@ -307,6 +334,26 @@ async def read_request(
         return read_batch(body, settings)
     async with big_parses:
         return await asyncio.to_thread(read_batch, body, settings)
+
+
+def openrlhf_items(body: OpenRLHFRewardRequest, default_source: str) -> list[dict]:
+    """/get_reward's lists -> /v1/rewards items; 409 naming a list whose length differs from query's."""
+    count = len(body.query)
+    for name in ("prompts", "labels", "datasources"):
+        values = getattr(body, name)
+        if values is not None and len(values) != count:
+            raise ApiError(409, f"invalid request: {name}: {len(values)} entries for {count} queries")
+    prompts = body.prompts or [""] * count
+    sources = body.datasources or [default_source] * count
+    return [
+        {
+            "data_source": source,
+            "response": query[len(prompt) :] if prompt and query.startswith(prompt) else query,
+            "ground_truth": label,
+            "prompt": prompt,
+        }
+        for query, prompt, label, source in zip(body.query, prompts, body.labels, sources)
+    ]
 
 
 def health_info(scorer: LocalScorer) -> dict:

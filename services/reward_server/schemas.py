@@ -200,3 +200,20 @@ class SeedStats(BaseModel):
     math_timeouts: int
     math_worker_crashes: int
     cancelled_math_items: int = Field(description="Math items dropped because their request ended.")
+
+
+# OpenRLHF's remote reward protocol (openrlhf/utils/remote_rm_utils.py: remote_rm_fn posts these three
+# lists and reads "rewards"; newer releases also read "scores" and "extra_logs").
+class OpenRLHFRewardRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    query: list[str] = Field(description="Prompt + response as the policy saw them (templated).")
+    prompts: list[str] | None = Field(None, description="The prompts; stripped from each query's front.")
+    labels: list[str] = Field(description="Ground truths, one per query (the scorers compare to them).")
+    datasources: list[str] | None = Field(None, description="data_source per query (else the default).")
+
+
+class OpenRLHFRewardResponse(BaseModel):
+    rewards: list[float]
+    scores: list[float]
+    extra_logs: dict[str, list[float]]

@@ -23,7 +23,7 @@ from trainer.rollout.builtin.worker import EngineWorker
 from trainer.rollout.client import HttpReplica, ReplicaDown, RolloutRequestError
 from trainer.rollout.launcher import builtin_servers, gpu_groups, sglang_command
 from trainer.rollout.local import LocalReplica
-from trainer.rollout.manager import RolloutManager, http_manager, prompt_seed
+from trainer.rollout.manager import RolloutManager, http_manager, sample_seed
 from trainer.rollout.pool import ReplicaPool, RolloutUnavailable
 
 SERVER_ARGS = ("--device", "cpu", "--max-running-requests", "8", "--context-length", "160")
@@ -105,17 +105,17 @@ def test_stop_string_is_trimmed_from_the_text_not_from_the_ids(server, models):
 @pytest.mark.parametrize(
     "body, status, words",
     [
-        ({"text": "hello"}, 422, "input_ids"),
+        ({"input_ids": [5], "image_data": "cat.png"}, 400, "image_data is not supported"),
         ({"input_ids": [[]]}, 400, "non-empty"),
         ({"input_ids": [5] * 150, "sampling_params": {"max_new_tokens": 20}}, 400, "context length 160"),
         ({"input_ids": [5, 99999]}, 400, "token ids must be in"),
-        ({"input_ids": [5], "sampling_params": {"top_k": 0}}, 422, "top_k"),
-        ({"input_ids": [5], "sampling_params": {"regex": "a+"}}, 422, "regex is not supported"),
-        ({"input_ids": [5], "sampling_params": {"min_p": 0.1}}, 422, "min_p"),
-        ({"input_ids": [5], "sampling_params": {"temperature": -1}}, 422, "temperature"),
-        ({"input_ids": [5], "stream": True}, 422, "stream"),
+        ({"input_ids": [5], "sampling_params": {"top_k": 0}}, 400, "top_k"),
+        ({"input_ids": [5], "sampling_params": {"regex": "a+"}}, 400, "regex is not supported"),
+        ({"input_ids": [5], "sampling_params": {"min_p": 0.1}}, 400, "min_p"),
+        ({"input_ids": [5], "sampling_params": {"temperature": -1}}, 400, "temperature"),
+        ({"input_ids": [5], "stream": True}, 400, "stream"),
         ({"input_ids": [[5], [6]], "sampling_params": [{"n": 1}, {"n": 2}]}, 400, "same n"),
-        ({"input_ids": [5], "top_logprobs_num": 5}, 422, "top_logprobs_num"),
+        ({"input_ids": [5], "top_logprobs_num": 5}, 400, "top_logprobs_num"),
     ],
 )
 def test_bad_requests_get_a_4xx_naming_the_problem(server, body, status, words):
@@ -142,7 +142,7 @@ def test_release_and_resume_memory_occupation(server, models):
     assert post(server, "/resume_memory_occupation", {}).status_code == 200
     after = post(server, "/generate", {"input_ids": prompt, "sampling_params": greedy(6)}).json()
     assert after["output_ids"] == before["output_ids"] and after["text"] == before["text"]
-    assert post(server, "/release_memory_occupation", {"tags": ["disk"]}).status_code == 422
+    assert post(server, "/release_memory_occupation", {"tags": ["disk"]}).status_code == 400
 
 
 def test_weight_updates_from_disk_and_from_tensors_change_the_outputs(server, models):
@@ -190,13 +190,14 @@ def test_http_manager_gives_the_same_rollouts_as_the_engine_in_process(server, m
     manager = http_manager([server], pad_id=tok.pad_token_id, config_dir=model_dir)
     try:
         rollouts = manager.generate(prompts, sampling)
-        # the same seeds in process: the manager gives prompt i the seed prompt_seed(11, i)
+        # the same seeds in process: sample j of prompt i is sent alone, seeded sample_seed(11, i, j)
         engine = engine_for(model, tok)
         expected = [
             engine.generate(
-                [p], SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=prompt_seed(11, i))
+                [p], SamplingParams(temperature=1.0, max_new_tokens=12, n=1, seed=sample_seed(11, i, j))
             )[0]
             for i, p in enumerate(prompts)
+            for j in range(2)
         ]
         assert [r.response_ids for r in rollouts] == [s.token_ids for group in expected for s in group]
         for rollout, sample in zip(rollouts, [s for group in expected for s in group]):
@@ -300,7 +301,7 @@ def test_client_error_kinds(server):
 
     with pytest.raises(RolloutRequestError, match="top_k") as caught:
         asyncio.run(bad())
-    assert caught.value.status_code == 422
+    assert caught.value.status_code == 400
 
 
 # ------------------------------------------------------------------------------------ launcher

@@ -20,6 +20,25 @@ from trainer.rollout.base import Rollout
 from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+# sampling_params.sampling_seed arrived in sgl-project/sglang#10678 (merged 2025-09-20), first released in
+# 0.5.3; older servers build SamplingParams(**sampling_params) and answer 400 for the unknown key
+SEED_SINCE = (0, 5, 3)
+
+
+def _has_seed(sampling) -> bool:
+    items = sampling if isinstance(sampling, list) else [sampling]
+    return any(isinstance(p, dict) and p.get("sampling_seed") is not None for p in items)
+
+
+def _older(version: str, than: tuple[int, ...]) -> bool:
+    """'0.4.10.post2' < (0, 5, 3); a version that does not parse counts as new (our server, a dev build)."""
+    parts = []
+    for piece in version.split(".")[: len(than)]:
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            return False
+        parts.append(int(digits))
+    return tuple(parts) < than
 
 
 class ReplicaDown(RuntimeError):
@@ -70,6 +89,7 @@ class HttpReplica:
         """timeout_s bounds one call; a /generate of long responses can take minutes."""
         self.url = url.rstrip("/")
         self.name = name or self.url
+        self._version: str | None = ...  # type: ignore[assignment]  # ...: not asked yet
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -91,12 +111,99 @@ class HttpReplica:
 
     async def generate(self, payload: dict) -> list[dict]:
         """POST /generate; always a list (a single prompt's one answer is wrapped)."""
+        if _has_seed(payload.get("sampling_params")):
+            await self.check_seed_support()
         body = (await self._call("POST", "/generate", payload)).json()
         return body if isinstance(body, list) else [body]
 
     async def rollouts(self, payload: dict, prompt_index: int) -> list[Rollout]:
-        """One prompt's /generate (return_logprob on) as Rollouts."""
-        return rollouts_from_outputs(payload["input_ids"], prompt_index, await self.generate(payload))
+        """One prompt's /generate (return_logprob on) as Rollouts. A seeded prompt of n samples goes as n
+        requests of n=1, each with its own seed: SGLang gives all n samples of a request one seed."""
+        params = payload["sampling_params"]
+        seed, n = params.get("sampling_seed"), params.get("n", 1)
+        if seed is None or n == 1:
+            return rollouts_from_outputs(payload["input_ids"], prompt_index, await self.generate(payload))
+        from trainer.rollout.manager import sample_seed
+
+        singles = [
+            {
+                **payload,
+                "sampling_params": {**params, "n": 1, "sampling_seed": sample_seed(seed, prompt_index, j)},
+            }
+            for j in range(n)
+        ]
+        outputs = await asyncio.gather(*(self.generate(single) for single in singles))
+        return rollouts_from_outputs(payload["input_ids"], prompt_index, [o for out in outputs for o in out])
+
+    async def server_version(self) -> str | None:
+        """/get_server_info's `version` (asked once); None when the server does not say."""
+        if self._version is ...:
+            self._version = (await self.server_info()).get("version")
+        return self._version
+
+    async def check_seed_support(self) -> None:
+        """Refuse, naming the versions, a seeded request to an SGLang older than sampling_seed: it would
+        answer 400 for the unknown key (or, behind a lenient proxy, sample unseeded)."""
+        version = await self.server_version()
+        if version is not None and _older(version, SEED_SINCE):
+            raise RolloutRequestError(
+                f"{self.url}: SGLang {version} has no sampling_params.sampling_seed (added in "
+                f"{'.'.join(map(str, SEED_SINCE))}); upgrade SGLang or leave the rollout seed unset",
+                400,
+            )
+
+    async def health_generate(self, timeout_s: float = 30.0) -> bool:
+        """GET /health_generate: the server generated a token (slime's and the router's check)."""
+        try:
+            response = await self._http.get(self.url + "/health_generate", timeout=timeout_s)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
+        await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._call("POST", "/continue_generation", {})
+
+    async def get_weight_version(self) -> str:
+        return (await self._call("GET", "/get_weight_version")).json()["weight_version"]
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool = False) -> None:
+        payload = {"new_version": version, "abort_all_requests": abort_all_requests}
+        await self._checked("/update_weight_version", payload)
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """POST /init_weights_update_group; answers once every rank joined (see WeightBroadcaster)."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._checked("/init_weights_update_group", payload)
+
+    async def update_weights_from_distributed(
+        self, metadata: dict, *, weight_version: str | None = None, flush_cache: bool = True
+    ) -> None:
+        """POST /update_weights_from_distributed with names / dtypes / shapes / group_name; the server
+        then receives the tensors rank 0 broadcasts (see WeightBroadcaster)."""
+        payload = {**metadata, "flush_cache": flush_cache, "weight_version": weight_version}
+        await self._checked("/update_weights_from_distributed", payload)
 
     async def update_weights_from_disk(
         self, model_path: str, *, load_format: str | None = None, weight_version: str | None = None

@@ -22,6 +22,7 @@ import concurrent.futures
 import shutil
 import tempfile
 import threading
+from dataclasses import replace
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,9 +36,12 @@ from trainer.rollout.protocol import wire_sampling
 T = TypeVar("T")
 
 
-def prompt_seed(seed: int, prompt_index: int) -> int:
-    """A distinct, reproducible seed per prompt of a seeded batch (same seed, same prompt: same samples)."""
-    mixed = np.random.SeedSequence([seed & (2**63 - 1), prompt_index]).generate_state(1, np.uint64)[0]
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A distinct, reproducible seed per sample of a seeded batch (same seed, same prompt and sample
+    index: same sample). SGLang applies one sampling_seed to all n samples of a request, which would make
+    a GRPO group n copies of one response, so a seeded prompt is sent as n requests of n=1."""
+    entropy = [seed & (2**63 - 1), prompt_index, sample_index]
+    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
     return int(mixed >> np.uint64(1))
 
 
@@ -138,10 +142,14 @@ class RolloutManager:
         await self.pool.revive(self._resync)
 
         async def one(index: int, prompt: list[int]) -> list[Rollout]:
-            seed = None if sampling.seed is None else prompt_seed(sampling.seed, index)
+            params = (
+                sampling
+                if sampling.seed is None
+                else replace(sampling, seed=sample_seed(sampling.seed, index, 0))
+            )
             payload = {
                 "input_ids": list(prompt),
-                "sampling_params": wire_sampling(sampling, seed),
+                "sampling_params": wire_sampling(params),
                 "return_logprob": True,
             }
             return await self.pool.rollouts(payload, index, weight=sampling.n, key=key)
@@ -222,10 +230,15 @@ def http_manager(
     config_dir: str | None = None,
     token: str | None = None,
     servers=None,
+    weights_dir: str | None = None,
     **pool_kwargs,
 ) -> RolloutManager:
-    """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close())."""
+    """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close()).
+    weights_dir: where /update_weights_from_disk checkpoints go; a path the servers see too (a shared
+    filesystem) when they run on other machines."""
     from trainer.rollout.client import HttpReplica
 
     pool = ReplicaPool([HttpReplica(u, token=token) for u in urls], **pool_kwargs)
-    return RolloutManager(pool, pad_id=pad_id, config_dir=config_dir, servers=servers)
+    return RolloutManager(
+        pool, pad_id=pad_id, config_dir=config_dir, servers=servers, weights_dir=weights_dir
+    )

@@ -185,6 +185,18 @@ class BuiltinEngine:
             self._finish(seq, "abort", "aborted by the caller")
         return bool(seqs)
 
+    def prompt_logprobs(self, prompt: Sequence[int], temperature: float = 1.0) -> list[float]:
+        """log p(prompt[t] | prompt[:t]) for t in 1..len-1, under log_softmax(logits / temperature) as
+        the sampled tokens' logprobs are (temperature 0: the untempered model). One forward, no slot."""
+        if "weights" in self.released:
+            raise EngineStateError("weights are released; resume_memory_occupation first")
+        self._check(prompt, SamplingParams(max_new_tokens=1))
+        tokens = torch.tensor(list(prompt), device=self.device)
+        logits = self.model.prompt_logits(tokens)[:-1].float()
+        if temperature > 0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[1:, None])[:, 0].tolist()
+
     def step(self) -> None:
         """Admit, launch one decode step, read back everything but the newest launch."""
         if self.released:

@@ -280,22 +280,34 @@ class EngineModel:
         Fills positions [0, T) of each row's slot (the padding beyond a row's length too; it is never
         read, only overwritten). With right padding a causal mask alone is exact for every real token.
         """
+        x = self._hidden(tokens, cache, slots)
+        last = x[torch.arange(tokens.shape[0], device=x.device), lengths - 1]
+        return self._logits(last)
+
+    @torch.no_grad()
+    def prompt_logits(self, tokens: Tensor) -> Tensor:
+        """Tokens [T] -> the logits after every position [T, V], touching no KV cache (SGLang's input
+        logprobs and prefill-only requests, both rare: no slot is taken for them)."""
+        return self._logits(self._hidden(tokens[None], None, None)[0])
+
+    def _hidden(self, tokens: Tensor, cache: KVCache | None, slots: Tensor | None) -> Tensor:
+        """The last layer's hidden states [B, T, H] of right-padded prompts; fills the cache's slots."""
         s = self.shape
-        batch, width = tokens.shape
+        width = tokens.shape[1]
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:width], self.sin[:width]
         for i in range(s.layers):
             q, k, v = self._qkv(rms_norm(x, self.in_norm[i], s.rms_eps), i, cos, sin)  # [B, T, heads, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
-            cache.k[i, slots, :, :width] = k
-            cache.v[i, slots, :, :width] = v
+            if cache is not None:
+                cache.k[i, slots, :, :width] = k
+                cache.v[i, slots, :, :width] = v
             if s.group > 1:
                 k, v = k.repeat_interleave(s.group, dim=1), v.repeat_interleave(s.group, dim=1)
             attended = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
             x = x + F.linear(attended.transpose(1, 2).flatten(2), self.o_w[i])
             x = x + self._mlp(rms_norm(x, self.post_norm[i], s.rms_eps), i)
-        last = x[torch.arange(batch, device=x.device), lengths - 1]
-        return self._logits(last)
+        return x
 
     @torch.no_grad()
     def prefill_fused(self, tokens: Tensor, lengths: Tensor, slots: Tensor, cache: KVCache) -> Tensor:

@@ -33,6 +33,7 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._failures: dict[str, Callable[[BaseException], None]] = {}
         self._closed = False
+        self.paused = False  # SGLang's pause_generation: requests stay queued, no step runs
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -123,7 +124,7 @@ class EngineWorker:
     def _run(self) -> None:
         while True:
             try:  # idle: sleep until something arrives; busy: only pick up what is already queued
-                item = self._inbox.get(block=not self.engine.has_work)
+                item = self._inbox.get(block=self.paused or not self.engine.has_work)
             except queue.Empty:
                 item = ...
             while item is not ...:
@@ -135,7 +136,7 @@ class EngineWorker:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = ...
-            if self.engine.has_work:
+            if self.engine.has_work and not self.paused:
                 self._step()
 
     def _step(self) -> None:
