@@ -15,6 +15,7 @@ import signal
 
 import httpx
 import pytest
+import torch
 
 from tests.helpers import service_process
 from tests.trainer.test_rollout_engine import encode, engine_for, hf_greedy, varied_model
@@ -190,11 +191,15 @@ def test_http_manager_gives_the_same_rollouts_as_the_engine_in_process(server, m
     manager = http_manager([server], pad_id=tok.pad_token_id, config_dir=model_dir)
     try:
         rollouts = manager.generate(prompts, sampling)
-        # the same seeds in process: sample j of prompt i is sent alone, seeded sample_seed(11, i, j)
+        # the same seeds in process: prompt i is seeded sample_seed(11, i, 0) by the manager, and its sample
+        # j is sent alone by the HTTP replica, seeded sample_seed(that, i, j)
         engine = engine_for(model, tok)
         expected = [
             engine.generate(
-                [p], SamplingParams(temperature=1.0, max_new_tokens=12, n=1, seed=sample_seed(11, i, j))
+                [p],
+                SamplingParams(
+                    temperature=1.0, max_new_tokens=12, n=1, seed=sample_seed(sample_seed(11, i, 0), i, j)
+                ),
             )[0]
             for i, p in enumerate(prompts)
             for j in range(2)
@@ -349,20 +354,37 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
 
 
 def test_build_rollout_for_each_name(server, models):
+    """hf and builtin: the policy ranks' engines as replicas; sglang: servers at the given URLs."""
     from trainer.rollout.factory import build_rollout
+    from trainer.workers.engines import KV_CACHE, EngineSettings, colocated_replica
 
     model, model_dir = models["first"]
     tok = models["tok"]
     prompts = encode(tok)[:2]
     greedy_sampling = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     expected = [hf_greedy(model, p, 6) for p in prompts]
-    common = {"policy_model": model, "tokenizer": tok, "model_path": model_dir, "context_length": 96}
-    for name, extra in [("hf", {}), ("builtin", {"max_running": 4}), ("sglang", {"server_urls": [server]})]:
-        engine = build_rollout(name, **common, **extra)
+    for name in ("hf", "builtin", "sglang"):
+        replicas = []
+        if name != "sglang":
+            settings = EngineSettings(name=name, context_length=96)
+            replica = colocated_replica(
+                settings,
+                model,
+                tok,
+                device=torch.device("cpu"),
+                model_path=model_dir,
+                trust_remote_code=False,
+                name=name,
+            )
+            replicas = [replica]
+        urls = [server] if name == "sglang" else []
+        manager = build_rollout(
+            name, replicas=replicas, pad_id=tok.pad_token_id, model_path=model_dir, server_urls=urls
+        )
         try:
-            assert [r.response_ids for r in engine.generate(prompts, greedy_sampling)] == expected, name
-            assert engine.pad_id == tok.pad_token_id
+            manager.resume_memory(KV_CACHE)
+            assert [r.response_ids for r in manager.generate(prompts, greedy_sampling)] == expected, name
         finally:
-            engine.close()
+            manager.close()
     with pytest.raises(ValueError, match="needs server URLs"):
-        build_rollout("sglang", **common)
+        build_rollout("sglang", pad_id=0, model_path=model_dir)

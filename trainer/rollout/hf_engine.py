@@ -309,7 +309,8 @@ class HFReplica:
     async def rollouts(self, payload: dict, prompt_index: int) -> list[Rollout]:
         from trainer.rollout.protocol import GenerateRequest, generate_items
 
-        (item,) = generate_items(GenerateRequest.model_validate(payload))
+        context = self.engine.model.config.max_position_embeddings
+        (item,) = generate_items(GenerateRequest.model_validate(payload), context_length=context)
         future = asyncio.get_running_loop().create_future()
         self._queue.append((list(item.prompt), item.sampling, future))
         if self._draining is None or self._draining.done():

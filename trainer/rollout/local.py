@@ -77,7 +77,9 @@ class LocalReplica:
     async def rollouts(self, payload: dict, prompt_index: int) -> list[Rollout]:
         """One prompt's samples straight from the engine as Rollouts (the trainer's path: no SGLang
         output dicts to build and parse back)."""
-        (item,) = generate_items(GenerateRequest.model_validate(payload))
+        encode = None if self.tokenizer is None else self.tokenizer.encode
+        request = GenerateRequest.model_validate(payload)
+        (item,) = generate_items(request, context_length=self.engine.config.context_length, encode=encode)
         try:
             samples = await self.worker.generate(item.prompt, item.sampling, item.rid)
         except EngineError as exc:
