@@ -257,10 +257,13 @@ async def rollout_phase(run: Run):
         await run.rollout.release_memory_async(KV_CACHE)
 
 
-def sampling_seed(seed: int, step: int, round_: int) -> int:
-    """A distinct, reproducible seed for each generation round of each step: the same rollouts wherever
-    the replicas run (one rank or many) and after a resume; each prompt's seed derives from it."""
-    mixed = np.random.SeedSequence([seed & (2**63 - 1), step, round_]).generate_state(1, np.uint64)[0]
+def sampling_seed(seed: int, step: int, round_: int, validation: bool = False) -> int:
+    """A distinct, reproducible seed for each generation round of each step (and for each validation);
+    each prompt's and sample's seed derives from it, so a sample gets the same seed wherever the replicas
+    run and after a resume (and the same tokens where the logits agree to the bit). SeedSequence takes
+    non-negative entropy only, so the purpose is a flag, not a sign."""
+    entropy = [seed & (2**63 - 1), step, round_, int(validation)]
+    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
     return int(mixed >> np.uint64(1))
 
 
@@ -420,7 +423,9 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     correct: dict[str, list[float]] = defaultdict(list)
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
-    sampling = dataclasses.replace(run.val_sampling, seed=sampling_seed(cfg.trainer.seed, step, -1))
+    sampling = dataclasses.replace(
+        run.val_sampling, seed=sampling_seed(cfg.trainer.seed, step, 0, validation=True)
+    )
     async with rollout_phase(run):
         async for batch in run.source.validation_batches(cfg.data.val_batch_size):
             groups, _ = await generate_groups(run, batch.prompts, sampling, {})

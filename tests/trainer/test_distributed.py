@@ -491,13 +491,15 @@ def test_fit_on_two_ranks_generates_with_their_builtin_engines(cluster, model_di
 
 VARIED_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return (len(solution_str) % 5) / 4  # varies with the sampled text: GRPO has something to push
+    return ((len(solution_str) + int(ground_truth)) % 5) / 4  # varies over prompts: advantages are not all 0
 """
 
 
 def test_one_rank_in_this_process_and_one_ray_rank_train_alike(cluster, model_dir, gsm8k_files, tmp_path):
-    """One path at every scale: with the same seed, a group of one rank in this process and a Ray group of
-    one rank train alike (the same rank objects, FSDP2 over a world of one, seeded sampling)."""
+    """One path at every scale: a group of one rank in this process and a Ray group of one rank train
+    alike (the same rank objects, FSDP2 over a world of one). Greedy rollouts: seeded sampling gives both
+    the same seeds, but a random tiny model's near-uniform distribution over 150k tokens turns the last-bit
+    differences of differently batched logits into different draws, which would hide what this checks."""
     import asyncio
 
     from trainer.config import load_config
@@ -509,9 +511,6 @@ def test_one_rank_in_this_process_and_one_ray_rank_train_alike(cluster, model_di
         f"custom_reward_function.path={reward}",
         "reward_model.mode=local",
         "trainer.save_freq=-1",
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.do_sample=true",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # two optimizer steps: old logprobs computed
     ]
     for where, use_ray in (("local", "false"), ("ray", "true")):
@@ -520,7 +519,7 @@ def test_one_rank_in_this_process_and_one_ray_rank_train_alike(cluster, model_di
     local, on_ray = logged_steps(tmp_path / "local"), logged_steps(tmp_path / "ray")
     assert sorted(local) == sorted(on_ray) == [1, 2]
     for step in (1, 2):
-        assert local[step]["actor/pg_clipfrac"] >= 0 and local[step]["critic/score/std"] > 0
+        assert local[step]["critic/score/max"] > local[step]["critic/score/min"]  # something to push
         for name in (
             "actor/pg_loss",
             "actor/kl_loss",
