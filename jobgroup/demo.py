@@ -63,7 +63,8 @@ def standard_errors(first: float, last: float, n: int = TEST_SIZE) -> str:
     """How far apart two accuracies on the same n problems are, in binomial standard errors."""
     spread = math.sqrt(max(first * (1 - first), last * (1 - last), 1e-9) / n)
     return (
-        f"{n} problems, standard error {100 * spread:.1f} points, so {(last - first) / spread:+.1f} of them"
+        f"{n} problems, one standard error is {100 * spread:.1f} points: a change of "
+        f"{(last - first) / spread:+.1f} standard errors"
     )
 
 

@@ -143,7 +143,7 @@ async def build_run(cfg: Config) -> Run:
         kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tool)}
         data = data.model_copy(update={"apply_chat_template_kwargs": kwargs})
     source = await open_prompt_source(
-        data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template
+        data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template, validation=cfg.validates
     )
     steps = total_steps(
         source.train_size, cfg.data.train_batch_size, trainer.total_epochs, trainer.total_training_steps
@@ -155,6 +155,7 @@ async def build_run(cfg: Config) -> Run:
         retries=cfg.services.retries,
         token=cfg.services.auth_token,
         health_timeout_s=cfg.services.health_timeout_s,
+        retry_deadline_s=cfg.services.retry_deadline_s,
         custom_path=cfg.custom_reward_function.path,
         custom_name=cfg.custom_reward_function.name,
     )

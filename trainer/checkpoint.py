@@ -71,10 +71,25 @@ class TrainState:
     data_cursor: str | None = None
     tracker_run_id: str | None = None
     extra: dict = field(default_factory=dict)  # anything JSON-serialisable (e.g. KL controller value)
+    # The driver's RNG streams as `capture_rng_state()` returned them when `data_cursor` was read (the
+    # start of the step after `step`). None: save_checkpoint captures them at save time. A save made
+    # after a step failed midway must pass the start-of-step state, or the resumed run samples from
+    # streams the failed step already advanced. Stored in rng_state.pt, not in trainer_state.json.
+    rng_state: dict | None = field(default=None, compare=False, repr=False)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or does not match the models it is loaded into."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a folder turned unwritable, a full disk). The message is one line
+    that names the folder, the OS error and the last usable checkpoint; nothing half-written is left
+    where resume would look."""
+
+    def __init__(self, message: str, last_usable: Path | None) -> None:
+        super().__init__(message)
+        self.last_usable = last_usable
 
 
 # ----------------------------------------------------------------------------------------------- save
@@ -121,24 +136,60 @@ def save_checkpoint(
     Each role writes its own directory (`RoleState.save`). `keep_last` None or <= 0 keeps all.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
-    staging = root / f".tmp-global_step_{step}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    rng_state = state.rng_state if state.rng_state is not None else capture_rng_state()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = root / f".tmp-global_step_{step}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+    except OSError as exc:
+        raise checkpoint_write_error(root, step, exc) from exc
     try:
         for name, role in roles.items():
             role.save(str(staging / name))
-        torch.save(capture_rng_state(), staging / RNG_FILE)
+        torch.save(rng_state, staging / RNG_FILE)
         # trainer_state.json last: its presence is what makes a directory a complete checkpoint.
         _write_json(staging / STATE_FILE, _state_record(state, step, list(roles)))
         _fsync_tree(staging)
         _move_into_place(staging, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        os_error = _os_error_in(exc)
+        if os_error is not None:
+            raise checkpoint_write_error(root, step, os_error) from exc
         raise
-    _write_latest(root, step)
+    try:
+        _write_latest(root, step)
+    except OSError as exc:  # global_step_N is complete; latest_checkpoint() falls back to it
+        raise checkpoint_write_error(root, step, exc) from exc
     prune_checkpoints(root, keep_last, protect=final)
     return final
+
+
+def checkpoint_write_error(root: Path, step: int, exc: OSError) -> CheckpointWriteError:
+    """One line for an OSError while saving global_step_{step}: what failed and what is left to resume."""
+    last = latest_checkpoint(root)
+    reason = exc.strerror or type(exc).__name__
+    where = exc.filename or root
+    return CheckpointWriteError(
+        f"could not write checkpoint global_step_{step} under {root}: {reason} ({where}); "
+        f"last usable checkpoint: {last or 'none'}",
+        last,
+    )
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: itself, or one a rank hit inside torch.distributed.checkpoint
+    (whose CheckpointException carries each failed rank's exception)."""
+    if isinstance(exc, OSError):
+        return exc
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, OSError):
+                return inner
+    return None
 
 
 def save_role_state(
@@ -232,7 +283,8 @@ def save_hf_metadata(directory: Path, model: nn.Module, tokenizer: Any | None) -
 def _state_record(state: TrainState, step: int, roles: list[str]) -> dict:
     if state.step != step:
         raise ValueError(f"state.step ({state.step}) != step ({step})")
-    return {**asdict(state), "roles": roles, "format_version": FORMAT_VERSION, "saved_at": time.time()}
+    record = {key: value for key, value in asdict(state).items() if key != "rng_state"}
+    return {**record, "roles": roles, "format_version": FORMAT_VERSION, "saved_at": time.time()}
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -268,6 +320,8 @@ def prune_checkpoints(root: Path, keep_last: int | None, *, protect: Path | None
         shutil.rmtree(leftover, ignore_errors=True)
     for leftover in root.glob(".trash-*"):
         shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in root.glob(f".{LATEST_FILE}.*"):  # _write_latest's temp file, left by a kill
+        leftover.unlink(missing_ok=True)
     if not keep_last or keep_last <= 0:
         return []
     complete = [path for _, path in list_checkpoints(root)]

@@ -416,8 +416,12 @@ async def open_prompt_source(
     tokenizer: Any,
     *,
     chat_template: str | None = None,
+    validation: bool = True,
 ) -> FilePromptSource | ServerPromptSource:
-    """The source `data.source` names, ready to serve (the server one has answered /health)."""
+    """The source `data.source` names, ready to serve (the server one has answered /health).
+
+    validation=False (a run that never validates: `Config.validates`) opens no validation split or files,
+    so a dataset without one trains; the source then yields no validation batches."""
     encoder = PromptEncoder(
         tokenizer,
         max_prompt_length=data.max_prompt_length,
@@ -429,16 +433,23 @@ async def open_prompt_source(
         template_kwargs=data.apply_chat_template_kwargs,
     )
     if data.source == "files":
-        return FilePromptSource(
-            data.train_files, data.val_files, encoder, seed=data.seed, shuffle=data.shuffle
-        )
+        val_files = data.val_files if validation else None
+        return FilePromptSource(data.train_files, val_files, encoder, seed=data.seed, shuffle=data.shuffle)
     from services.data_server.client import DataClient
 
     client = DataClient(
-        services.data_url, timeout_s=services.timeout_s, retries=services.retries, token=services.auth_token
+        services.data_url,
+        timeout_s=services.timeout_s,
+        retries=services.retries,
+        deadline_s=services.retry_deadline_s,
+        token=services.auth_token,
     )
     source = ServerPromptSource(
-        client, encoder, dataset=data.dataset, train_split=data.train_split, val_split=data.val_split
+        client,
+        encoder,
+        dataset=data.dataset,
+        train_split=data.train_split,
+        val_split=data.val_split if validation else None,
     )
     try:
         return await source.open(services.health_timeout_s)

@@ -42,6 +42,7 @@ from trainer.batch import TrainBatch
 from trainer.checkpoint import (
     RoleState,
     TrainState,
+    capture_rng_state,
     find_resume_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -53,7 +54,7 @@ from trainer.data import PromptRecord
 from trainer.profiling import profiled
 from trainer.build import AdvantageSettings, KLController, Run, build_run, close_run, seed_everything
 from trainer.parallel.groups import MEMORY_METRICS, WorkerGroupError
-from trainer.rewards import Scores, reward_items, score_rollouts
+from trainer.rewards import Scores, check_reward_errors, reward_items, score_rollouts
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.metrics import rollout_logprob_gap
 from trainer.workers.engines import KV_CACHE
@@ -94,7 +95,7 @@ async def train(run: Run) -> dict[str, float]:
     """Resume, then step until the end; validation and checkpoints as configured."""
     cfg = run.cfg
     metrics: dict[str, float] = {}
-    step, cursor_before_step = 0, None
+    step, cursor_before_step, rng_before_step = 0, None, None
     try:
         step = resume(run)
         if cfg.trainer.val_only or (cfg.trainer.val_before_train and step == 0):
@@ -104,21 +105,25 @@ async def train(run: Run) -> dict[str, float]:
                 return metrics
         while step < run.total_steps:
             step += 1
-            cursor_before_step = run.source.state()
+            cursor_before_step, rng_before_step = run.source.state(), capture_rng_state()
             remote = [group for group in run.groups.all() if group.remote]
             with profiled(cfg.trainer.log_dir, step, cfg.trainer.profile_steps, remote):
                 metrics = await train_step(run, step)
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)
             if should(cfg.trainer.save_freq, step, run.total_steps):
-                metrics |= timed("save_checkpoint", save, run, step)
+                try:
+                    metrics |= timed("save_checkpoint", save, run, step)
+                except BaseException:
+                    run.tracker.log(metrics, step)  # the step trained: its metrics outlive a failed save
+                    raise
             run.tracker.log(metrics, step)
         return metrics
     except ServiceError as exc:
         # Keep the finished steps. The failed step changed no weights, but it may have fetched its prompts:
         # save the cursor from before it, so a resumed run trains on that batch instead of skipping it.
         if step - 1 > run.last_saved_step:
-            path = save(run, step - 1, data_cursor=cursor_before_step)
+            path = save(run, step - 1, data_cursor=cursor_before_step, rng_state=rng_before_step)
         else:
             path = latest_checkpoint(checkpoint_root(cfg))
         raise TrainingAborted(
@@ -178,6 +183,7 @@ class PromptGroup:
     scores: list[float] = field(default_factory=list)
     correct: list[float] = field(default_factory=list)
     errors: int = 0  # samples the scorer could not score
+    first_error: str | None = None
 
     def add(self, rollouts: list[Rollout], items: list[dict], scores: Scores) -> None:
         self.rollouts += rollouts
@@ -185,6 +191,7 @@ class PromptGroup:
         self.scores += scores.scores.tolist()
         self.correct += scores.correct.tolist()
         self.errors += scores.errors
+        self.first_error = self.first_error or scores.first_error
 
     def rewards_vary(self, metric: str) -> bool:
         """DAPO's keep predicate: not every reward equal (a group of one is kept, as verl does)."""
@@ -206,6 +213,7 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
     """Prompts -> rollouts -> scores, grouped by prompt; with DAPO dynamic sampling, keep only the groups
     whose rewards vary and generate again until the batch is full."""
     plan, kept, rounds, errors, tool_batches = run.plan, [], 0, 0, []
+    sampled, first_error, error_fraction = 0, None, 0.0
     async with rollout_phase(run):
         while len(kept) < plan.prompts:
             rounds += 1
@@ -221,6 +229,11 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
             prompts = (await run.source.next_batch(plan.prompts_per_round)).prompts
             groups, tools = await generate_groups(run, prompts, sampling, timings)
             errors += sum(g.errors for g in groups)
+            sampled += sum(len(g.scores) for g in groups)
+            first_error = first_error or next((g.first_error for g in groups if g.first_error), None)
+            error_fraction = check_reward_errors(
+                errors, sampled, run.cfg.reward_model.max_error_fraction, first_error
+            )
             tool_batches += [tools] if tools is not None else []
             if plan.group_filter:
                 groups = [g for g in groups if g.rewards_vary(plan.group_filter.metric)]
@@ -236,6 +249,7 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
         "train/num_gen_batches": float(rounds),
         "reward/accuracy": float(scores.correct.mean()),
         "reward/errors": float(errors),
+        "reward/error_fraction": error_fraction,
         "train/epoch": float(run.source.epoch),
     }
     if tool_batches:  # multi-turn: turns, tool calls and search errors of every trajectory generated
@@ -473,10 +487,16 @@ def resume(run: Run) -> int:
     return state.step
 
 
-def save(run: Run, step: int, data_cursor: str | None = None) -> Path:
+def save(run: Run, step: int, data_cursor: str | None = None, rng_state: dict | None = None) -> Path:
+    """Checkpoint after `step`; data_cursor and rng_state: as they were before the step that follows it
+    (now, unless a failed step already advanced them)."""
     cursor = data_cursor if data_cursor is not None else run.source.state()
     state = TrainState(
-        step=step, data_cursor=cursor, tracker_run_id=run.tracker.run_id, extra={"kl_coef": run.kl_ctrl.value}
+        step=step,
+        data_cursor=cursor,
+        tracker_run_id=run.tracker.run_id,
+        extra={"kl_coef": run.kl_ctrl.value},
+        rng_state=rng_state if rng_state is not None else capture_rng_state(),
     )
     path = save_checkpoint(
         checkpoint_root(run.cfg),

@@ -86,6 +86,34 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
+class ModelUnavailable(RuntimeError):
+    """A hub model that is not in the local cache while the hub is unreachable; the message is one line."""
+
+
+def _offline_kwargs(source: ModelSource) -> dict:
+    """local_files_only for a hub id when the hub cannot be reached: the cache or one clear error, not
+    huggingface_hub's retries (~50 s on a machine without it) and an 80-line traceback."""
+    if Path(source.name_or_dir).exists():
+        return {}
+    from services.common.hub import hub_reachable
+
+    return {} if hub_reachable() else {"local_files_only": True}
+
+
+@contextlib.contextmanager
+def _hub_errors(path: str, kwargs: dict):
+    try:
+        yield
+    except OSError:
+        if not kwargs.get("local_files_only"):
+            raise
+        raise ModelUnavailable(
+            f"model {path}: the Hugging Face hub is unreachable and it is not in the local cache; give a "
+            "local folder or .gguf file instead (actor_rollout_ref.model.path=PATH), or point HF_HOME at a "
+            "cache that holds it"
+        ) from None
+
+
 def _looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or Path(path).expanduser().exists()
 
@@ -130,12 +158,14 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
     pre-tokenizer, which breaks the character tokenizer of our tiny test models.
     """
     source = resolve_source(path)
+    offline = _offline_kwargs(source)
     if _declared_tokenizer_class(source) in GENERIC_TOKENIZER_CLASSES:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(source.name_or_dir)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(
-            source.name_or_dir, trust_remote_code=trust_remote_code, **source.kwargs()
-        )
+        with _hub_errors(path, offline):
+            tokenizer = AutoTokenizer.from_pretrained(
+                source.name_or_dir, trust_remote_code=trust_remote_code, **source.kwargs(), **offline
+            )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer of {path} has neither a pad nor an eos token")
@@ -149,9 +179,11 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
 
 
 def _config_without_dropout(source: ModelSource, trust_remote_code: bool, **overrides):
-    config = AutoConfig.from_pretrained(
-        source.name_or_dir, trust_remote_code=trust_remote_code, **source.kwargs()
-    )
+    offline = _offline_kwargs(source)
+    with _hub_errors(source.name_or_dir, offline):
+        config = AutoConfig.from_pretrained(
+            source.name_or_dir, trust_remote_code=trust_remote_code, **source.kwargs(), **offline
+        )
     for key in DROPOUT_KEYS:
         if isinstance(getattr(config, key, None), (int, float)):
             setattr(config, key, 0.0)
@@ -179,14 +211,17 @@ def _load(
     source = resolve_source(path)
     config = _config_without_dropout(source, trust_remote_code, **config_overrides)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = auto_class.from_pretrained(
-        source.name_or_dir,
-        config=config,
-        dtype=param_dtype,
-        trust_remote_code=trust_remote_code,
-        **source.kwargs(),
-        **extra,
-    )
+    offline = _offline_kwargs(source)
+    with _hub_errors(path, offline):
+        model = auto_class.from_pretrained(
+            source.name_or_dir,
+            config=config,
+            dtype=param_dtype,
+            trust_remote_code=trust_remote_code,
+            **source.kwargs(),
+            **offline,
+            **extra,
+        )
     return model.to(device=device, dtype=param_dtype)
 
 

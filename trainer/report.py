@@ -77,12 +77,20 @@ def load_metrics(metrics_file: Path) -> Series:
 
 
 def panels_present(series: Series) -> list[tuple[str, list[str]]]:
+    """The panels with a metric the run logged, less those where every line is flat (a KL panel in a
+    run without a KL term: 0 at every step by construction, a panel that says nothing)."""
     present = []
     for title, pattern in PANELS:
         keys = sorted(key for key in series if re.search(pattern, key))
-        if keys:
+        if keys and not all(is_flat(series[key]) for key in keys):
             present.append((title, keys))
     return present
+
+
+def is_flat(points: list[tuple[int, float]]) -> bool:
+    """Two or more points, all the same value (one point is a reading, not a flat line)."""
+    values = {value for _, value in points}
+    return len(points) > 1 and len(values) == 1
 
 
 def plot(series: Series, out_file: Path, *, title: str = "") -> list[str]:
@@ -100,7 +108,9 @@ def plot(series: Series, out_file: Path, *, title: str = "") -> list[str]:
         )
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.5 * rows), squeeze=False, dpi=100)
+    # many-line panels (timing) carry their legend under the axes, where it covers no line
+    height = 4.5 if any(len(keys) > 2 for _, keys in panels) else 3.5
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, height * rows), squeeze=False, dpi=100)
     for axis, (panel_title, keys) in zip(axes.flat, panels):
         for key in keys:
             steps, values = zip(*series[key])
@@ -109,7 +119,10 @@ def plot(series: Series, out_file: Path, *, title: str = "") -> list[str]:
         axis.set_xlabel("step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        if len(keys) > 2:
+            axis.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+        else:
+            axis.legend(fontsize=7)
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
     if title:

@@ -36,6 +36,30 @@ class Scores:
     scores: torch.Tensor  # [B] float32
     correct: torch.Tensor  # [B] float32, 1.0 where the answer was right
     errors: int  # items the scorer could not score (score 0)
+    first_error: str | None = None  # the first of those errors, for the message that stops the run
+
+
+class RewardErrors(RuntimeError):
+    """Too many rewards of a round could not be computed: training on their zeros would teach nothing
+    (a dataset name no scorer knows gave a whole run of 0.0 rewards). The message is one line."""
+
+
+def check_reward_errors(
+    errors: int, total: int, max_error_fraction: float, first_error: str | None = None
+) -> float:
+    """The share of rewards that are errors (metric reward/error_fraction); RewardErrors when some are and
+    the share reaches `max_error_fraction` (reward_model.max_error_fraction: 1.0 stops only when all are).
+    """
+    if total <= 0:
+        return 0.0
+    fraction = errors / total
+    if errors and fraction >= max_error_fraction:
+        example = f"; first error: {first_error}" if first_error else ""
+        raise RewardErrors(
+            f"{errors} of {total} rewards could not be computed (reward/error_fraction {fraction:.3g} >= "
+            f"reward_model.max_error_fraction {max_error_fraction:g}){example}"
+        )
+    return fraction
 
 
 def decode_responses(tokenizer, ids: list[list[int]]) -> list[str]:
@@ -86,10 +110,12 @@ def reward_options(reward_model, max_response_length: int) -> RewardOptions:
 
 async def score_rollouts(scorer: Scorer, items: list[dict], options: RewardOptions) -> Scores:
     results = await scorer.score(items, options)
+    errors = [r.error for r in results if r.error is not None]
     return Scores(
         scores=torch.tensor([r.score for r in results], dtype=torch.float32),
         correct=torch.tensor([1.0 if r.correct else 0.0 for r in results], dtype=torch.float32),
-        errors=sum(r.error is not None for r in results),
+        errors=len(errors),
+        first_error=errors[0] if errors else None,
     )
 
 
@@ -133,8 +159,12 @@ async def open_scorer(
     health_timeout_s: float,
     custom_path: str | None,
     custom_name: str,
+    retry_deadline_s: float = 0.0,
 ):
-    """The scorer the config names; the server one has answered /health. Close with `close_scorer`."""
+    """The scorer the config names; the server one has answered /health. Close with `close_scorer`.
+
+    `retry_deadline_s` (services.retry_deadline_s): how long the server one keeps retrying a reward-server
+    that stopped answering, from its first failure."""
     if mode == "local":
         if custom_path:
             return CustomFunctionScorer(custom_path, custom_name)
@@ -143,7 +173,9 @@ async def open_scorer(
         return LocalScorer()
     from services.reward_server.client import RewardClient
 
-    client = RewardClient(urls, timeout_s=timeout_s, retries=retries, token=token)
+    client = RewardClient(
+        urls, timeout_s=timeout_s, retries=retries, token=token, deadline_s=retry_deadline_s
+    )
     try:
         await client.wait_healthy(health_timeout_s)
     except BaseException:

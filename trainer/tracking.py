@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import secrets
 import string
@@ -179,8 +180,21 @@ def _as_sample(sample: Any) -> dict:
 
 
 def format_console_line(metrics: dict[str, float], step: int) -> str:
-    """verl's console format: `step:N - key:value - ...`, numbers with 3 decimals, in insertion order."""
-    return " - ".join([f"step:{step}", *(f"{key}:{value:.3f}" for key, value in metrics.items())])
+    """verl's console line `step:N - key:value - ...` in insertion order, each value by `format_metric`."""
+    return " - ".join([f"step:{step}", *(f"{key}:{format_metric(value)}" for key, value in metrics.items())])
+
+
+def format_metric(value: float) -> str:
+    """4 significant digits (a learning rate of 2e-5 is `2e-05`, not verl's `0.000`); whole numbers as
+    they are (token counts, steps); large values without an exponent (throughput `12346`)."""
+    value = float(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if abs(value) >= 1e4:
+        return f"{value:.0f}"
+    return f"{value:.4g}"
 
 
 def _import_extra(module: str, backend: str):
@@ -233,6 +247,9 @@ class JsonlSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._metrics.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self._metrics.flush()
+        # on disk before the step goes on: the loop logs a step before its checkpoint, so a crash
+        # (even of the machine) never leaves a checkpointed step without its row
+        os.fsync(self._metrics.fileno())
 
     def log_generations(self, rows: list[dict], step: int) -> None:
         for row in rows:

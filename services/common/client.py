@@ -3,7 +3,9 @@
 One policy for every service:
 - timeouts on every call; bounded retries with full-jitter exponential backoff on connection
   errors, timeouts, 429 and 5xx (the request bodies we send are idempotent: a batch by cursor,
-  scoring, retrieval);
+  scoring, retrieval), then, with `deadline_s`, tries every few seconds until that long after the first
+  failure (the trainer waits minutes for a service its job group restarts); every retry is logged
+  with its URL, attempt and delay;
 - a 4xx other than 429 is the caller's bug and raises at once with the server's message;
 - several replicas (`urls=[...]`): requests round-robin over the healthy ones; a replica that fails
   is set aside for a cool-down that grows while it keeps failing, and comes back on its own.
@@ -126,10 +128,12 @@ class _Policy:
         max_backoff_s: float = 5.0,
         token: str | None = None,
         seed: int | None = None,
+        deadline_s: float = 0.0,
     ) -> None:
         self.replicas = ReplicaSet(normalize_urls(urls))
         self.timeout_s = timeout_s
         self.retries = retries
+        self.deadline_s = deadline_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._rng = random.Random(seed)
@@ -138,9 +142,12 @@ class _Policy:
     def _plan(self, path: str) -> Generator[str | float, httpx.Response | httpx.TransportError | None, Any]:
         """The retry policy, written once for both clients (sans I/O). It yields the URL to call next,
         and is sent back the response or the transport error; or it yields a delay in seconds to sleep
-        before the next try. It returns the decoded JSON, or raises ServiceError."""
-        last_problem = "no attempt made"
-        for attempt in range(self.retries + 1):
+        before the next try. It returns the decoded JSON, or raises ServiceError.
+
+        `retries` quick tries first (full jitter); then, until `deadline_s` after the first failure,
+        tries every max_backoff_s/2 .. max_backoff_s: a service restarting takes tens of seconds."""
+        last_problem, first_failure, attempt = "no attempt made", None, 0
+        while True:
             replica = self.replicas.pick()
             outcome = yield replica.url + path
             if isinstance(outcome, httpx.Response):
@@ -151,13 +158,32 @@ class _Policy:
             else:  # connect refused, reset, timeouts
                 last_problem = f"{replica.url}{path}: {type(outcome).__name__}: {outcome}"
             self.replicas.mark_failed(replica)
-            if attempt < self.retries:
-                delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng)
-                log.warning(
-                    "retrying", extra={"problem": last_problem, "attempt": attempt + 1, "delay_s": delay}
-                )
-                yield delay
-        raise ServiceError(f"gave up after {self.retries + 1} attempts: {last_problem}")
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            delay = self._delay(attempt, remaining_s=first_failure + self.deadline_s - now)
+            if delay is None:
+                break
+            attempt += 1
+            log.warning(
+                "retrying %s in %.1f s (attempt %d failed: %s)",
+                replica.url + path,
+                delay,
+                attempt,
+                last_problem,
+                extra={"url": replica.url + path, "attempt": attempt, "delay_s": round(delay, 3)},
+            )
+            yield delay
+        waited = f" over {time.monotonic() - first_failure:.0f} s" if self.deadline_s else ""
+        raise ServiceError(f"gave up after {attempt + 1} attempts{waited}: {last_problem}")
+
+    def _delay(self, attempt: int, remaining_s: float) -> float | None:
+        """Seconds to wait before the next try after `attempt` (0-based) failed; None: give up."""
+        if attempt < self.retries:
+            return backoff_delay(attempt, self.backoff_s, self.max_backoff_s, self._rng)
+        if remaining_s <= 0:
+            return None
+        # past the quick tries: half jitter, so the tries keep coming and end at the deadline
+        return min(remaining_s, self.max_backoff_s * self._rng.uniform(0.5, 1.0))
 
 
 class AsyncServiceClient(_Policy):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.hub import hub_reachable
 from services.data_server.schemas import GSM8K_INSTRUCTION, MATH_INSTRUCTION
 from services.data_server.synthetic import LEVELS, make_problem
 
@@ -121,7 +121,8 @@ def qa_row(question: str, golden_answers: list[str], split: str, index: int, dat
         "prompt": [{"role": "user", "content": SEARCH_INSTRUCTION + question + "\n"}],
         "ability": "fact-reasoning",
         "reward_model": {"style": "rule", "ground_truth": {"target": list(golden_answers)}},
-        "extra_info": {"split": split, "index": index, "question": question},
+        # the scorer follows the rows, not their name: a QA set served as "hotpot" is still QA
+        "extra_info": {"split": split, "index": index, "question": question, "scorer": "qa_em"},
     }
 
 
@@ -263,26 +264,23 @@ def split_files(path: Path) -> dict[str, list[Path]]:
     return found
 
 
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    import os
-
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
-
-
 def read_hub(repo: str, config: str | None) -> dict[str, list[dict]]:
     try:
         import datasets
     except ImportError:
         raise DataSourceError("loading from the hub needs the `datasets` package") from None
+    offline = not hub_reachable()
+    if offline:  # the local cache only: no retries against a hub that cannot answer
+        datasets.config.HF_HUB_OFFLINE = True
     try:
         loaded = datasets.load_dataset(repo, config) if config else datasets.load_dataset(repo)
     except Exception as exc:  # noqa: BLE001 - datasets raises many types for the same "could not load"
+        if offline:
+            raise DataSourceError(
+                f"cannot load {repo}: the Hugging Face hub is unreachable and it is not in the local cache; "
+                "give a local copy instead, a folder of train/test .jsonl or .parquet "
+                "(--datasets NAME=DIR, or export's --source DIR)"
+            ) from None
         raise DataSourceError(f"cannot load {repo} from the hub: {exc}") from None
     return {split: loaded[split].to_list() for split in loaded}
 

@@ -3,7 +3,9 @@
 The reward-server (a thin HTTP layer over it) and the trainer's in-process mode run this same
 class, so a reward is the same number whichever path computed it.
 
-Dispatch follows verl's `default_compute_score` (an item's explicit `scorer` field wins):
+Dispatch follows verl's `default_compute_score`; an item's explicit `scorer` field wins, then its
+`extra_info.scorer` (the data-server writes "qa_em" there on QA rows, so a QA set served under any
+dataset name is scored as QA, not as an unknown data_source worth 0):
   openai/gsm8k, gsm8k, synthetic-arith                                  -> gsm8k
   nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle,
   searchR1_*                                                             -> qa_em
@@ -79,7 +81,8 @@ SCORER_DOCS: dict[str, ScorerDoc] = {
     "qa_em": ScorerDoc(
         description="Search-R1 exact match: the last <answer>...</answer>, SQuAD-normalised, "
         "against the golden answers.",
-        data_sources="nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle, searchR1_*",
+        data_sources="nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle, searchR1_*; "
+        "any data_source whose row says extra_info.scorer='qa_em' (the data-server's QA rows)",
         answer_format="exactly one <answer>...</answer>",
     ),
     "qa_f1": ScorerDoc(
@@ -171,6 +174,17 @@ def scorer_for(data_source: str) -> ScorerName | None:
     return None
 
 
+def item_scorer(item: dict) -> str | None:
+    """The item's `scorer`, else its row's `extra_info.scorer`, else the one its data_source selects."""
+    return item.get("scorer") or _hinted_scorer(item) or scorer_for(item["data_source"])
+
+
+def _hinted_scorer(item: dict) -> str | None:
+    extra = item.get("extra_info")
+    hint = extra.get("scorer") if isinstance(extra, dict) else None
+    return hint if isinstance(hint, str) and hint else None
+
+
 def failed(scorer: str, error: str) -> Scored:
     return Scored(scorer, error=error)
 
@@ -233,6 +247,8 @@ def shape(scored: Scored, item: dict, options: RewardOptions) -> Scored:
 def unknown_scorer_message(item: dict) -> str:
     if item.get("scorer"):  # only dicts given to LocalScorer directly; the server validated the name
         return f"unknown scorer {item['scorer']!r}; use one of {', '.join(SCORER_DOCS)}"
+    if _hinted_scorer(item):
+        return f"unknown extra_info.scorer {_hinted_scorer(item)!r}; use one of {', '.join(SCORER_DOCS)}"
     return (
         f"no scorer for data_source {item['data_source'][:80]!r}; set `scorer` to one of "
         f"{', '.join(SCORER_DOCS)} (GET /v1/scorers lists the data sources)"
@@ -330,7 +346,7 @@ class LocalScorer:
         """Like `score`, for items as validated dicts (schemas.RewardItemDict), keeping which scorer ran."""
         options = options or DEFAULT_OPTIONS
         deadline_s = self.deadline_of(options)
-        names = [item.get("scorer") or scorer_for(item["data_source"]) for item in items]
+        names = [item_scorer(item) for item in items]
         math_indices = [i for i, name in enumerate(names) if name == "math"]
         model_indices = [i for i, name in enumerate(names) if name == "model"]
         code_indices = [i for i, name in enumerate(names) if name == "code"]

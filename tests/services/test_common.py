@@ -161,3 +161,45 @@ def test_sync_client_gives_up_with_clear_error():
         client.get("/health")
     with pytest.raises(ValueError):
         normalize_urls(" , ")
+
+
+def test_a_service_restarted_after_an_outage_is_waited_out_and_each_retry_is_logged(caplog):
+    """A real data-server stops, and comes back on the same port ~15 s later (a job group restarting it):
+    the client with a retry deadline waits and gets its answer; without one it gives up in seconds."""
+    import asyncio
+    import contextlib
+
+    from services.common.client import AsyncServiceClient, ServiceError
+    from tests.helpers import free_port, service_process
+
+    port, outage_s = free_port(), 13.0
+    args = ("--datasets", "synthetic-arith=synthetic-arith:easy", "--synthetic-train-size", "8")
+    with service_process("services.data_server", *args, port=port) as (url, _):
+        pass  # it answered /health; now it is stopped
+    policy = {"retries": 2, "backoff_s": 0.2, "max_backoff_s": 2.0, "timeout_s": 5.0}
+
+    async def outage(stack: contextlib.ExitStack) -> tuple[dict, float]:
+        started = time.monotonic()
+        async with (
+            AsyncServiceClient(url, deadline_s=60.0, **policy) as waiting,
+            AsyncServiceClient(url, **policy) as quick,
+        ):
+            answer = asyncio.create_task(waiting.get("/v1/datasets"))
+            with pytest.raises(ServiceError, match=r"gave up after 3 attempts: .*ConnectError"):
+                await quick.get("/v1/datasets")  # the negative control: today's quick retries
+            assert time.monotonic() - started < outage_s / 2
+            await asyncio.sleep(outage_s - (time.monotonic() - started))
+            await asyncio.to_thread(
+                stack.enter_context, service_process("services.data_server", *args, port=port)
+            )
+            return await asyncio.wait_for(answer, 30), time.monotonic() - started
+
+    caplog.set_level("WARNING", logger="services.client")
+    with contextlib.ExitStack() as stack:
+        body, waited = asyncio.run(outage(stack))
+    assert waited >= outage_s and [d["name"] for d in body["datasets"]] == ["synthetic-arith"]
+    retries = [r for r in caplog.records if getattr(r, "url", None) == f"{url}/v1/datasets"]
+    attempts = [r.attempt for r in retries]
+    assert len(attempts) > 5 and attempts[-1] > 4 and all(r.delay_s <= 2.0 for r in retries)
+    line = retries[-1].getMessage()
+    assert f"retrying {url}/v1/datasets in " in line and f"(attempt {attempts[-1]} failed: " in line

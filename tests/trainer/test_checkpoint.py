@@ -1,6 +1,7 @@
 """Checkpoints: exact save -> load round trip, verl's layout, crash safety, keep-last-K, resume modes."""
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -16,11 +17,14 @@ from torch import nn
 from trainer.checkpoint import (
     LATEST_FILE,
     CheckpointError,
+    CheckpointWriteError,
     LocalRole,
     TrainState,
+    capture_rng_state,
     find_resume_checkpoint,
     load_checkpoint,
     load_train_state,
+    restore_rng_state,
     save_checkpoint,
 )
 
@@ -311,3 +315,117 @@ def test_cuda_model_optimizer_and_cuda_rng_round_trip(tmp_path):
     for (name, param), expected in zip(restored.named_parameters(), model.parameters()):
         # not bitwise: CUDA's embedding backward sums repeated indices in no fixed order
         torch.testing.assert_close(param, expected, rtol=0, atol=1e-6, msg=name)
+
+
+KILLED_REPLACING_LATEST = textwrap.dedent("""
+    import os, sys, torch
+    from torch import nn
+    from trainer.checkpoint import LATEST_FILE, LocalRole, TrainState, save_checkpoint
+
+    replace = os.replace
+    def dies_on_latest(src, dst):
+        if str(dst).endswith(LATEST_FILE) and str(dst).count("global_step") == 0 and "2" in open(src).read():
+            os._exit(17)   # killed after the temp file of latest is written, before it replaces latest
+        replace(src, dst)
+    os.replace = dies_on_latest
+
+    root, model = sys.argv[1], nn.Linear(4, 3)
+    save_checkpoint(root, 1, roles={"actor": LocalRole(model)}, state=TrainState(step=1), keep_last=None)
+    save_checkpoint(root, 2, roles={"actor": LocalRole(model)}, state=TrainState(step=2), keep_last=None)
+""")
+
+
+def test_a_kill_while_latest_is_replaced_leaves_a_temp_file_the_next_save_sweeps(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_REPLACING_LATEST, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 17, result.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{LATEST_FILE}.")]
+    assert len(leftovers) == 1  # really killed between the temp file and its rename
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "1"
+    save_checkpoint(tmp_path, 3, roles={"actor": LocalRole(nn.Linear(4, 3))}, state=TrainState(step=3),
+                    keep_last=None)  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step_1",
+        "global_step_2",
+        "global_step_3",
+        LATEST_FILE,
+    ]
+
+
+def test_rng_state_captured_at_step_start_is_what_the_checkpoint_restores(tmp_path):
+    """The loop captures the streams with the cursor at a step's start; a save after that step failed
+    midway must store those, not the streams the failed step's sampling advanced."""
+    model = nn.Linear(4, 3)
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    at_step_start = capture_rng_state()
+    expected = draw_random()  # what the step draws in the uninterrupted run
+    draw_random()  # the failed step's sampling moves every stream on
+    path = save_checkpoint(
+        tmp_path, 1, roles={"actor": LocalRole(model)},
+        state=TrainState(step=1, data_cursor="c", rng_state=at_step_start), keep_last=None,
+    )  # fmt: skip
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    load_checkpoint(path, roles={"actor": LocalRole(nn.Linear(4, 3))})
+    assert draw_random() == expected
+    assert "rng_state" not in json.loads((path / "trainer_state.json").read_text())
+    # negative control: without the captured state the save takes the streams as they are now
+    path = save_checkpoint(tmp_path, 2, roles={"actor": LocalRole(model)}, state=TrainState(step=2),
+                           keep_last=None)  # fmt: skip
+    load_checkpoint(path, roles={"actor": LocalRole(nn.Linear(4, 3))})
+    assert draw_random() != expected
+
+
+def test_capture_and_restore_rng_state_round_trip_every_stream():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    np.random.standard_normal()  # numpy caches a second gaussian: that must come back too
+    random.gauss(0, 1)
+    state = capture_rng_state()
+    expected = (draw_random(), np.random.standard_normal(), random.gauss(0, 1))
+    restore_rng_state(state)
+    assert (draw_random(), np.random.standard_normal(), random.gauss(0, 1)) == expected
+
+
+def _make_unwritable(folder: Path) -> bool:
+    """chmod for a normal user; root ignores modes, so the immutable attribute where the filesystem has
+    it. False when neither makes the folder refuse a new entry."""
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(folder)], capture_output=True, check=False)
+    try:
+        (folder / ".probe").mkdir()
+    except OSError:
+        return True
+    (folder / ".probe").rmdir()
+    return False
+
+
+def test_an_unwritable_checkpoint_folder_is_one_line_naming_the_last_usable_checkpoint(tmp_path):
+    root = tmp_path / "ckpt"
+    model = nn.Linear(4, 3)
+    first = save_checkpoint(root, 1, roles={"actor": LocalRole(model)}, state=TrainState(step=1), keep_last=2)
+    if not _make_unwritable(root):
+        _restore_writable(root)
+        pytest.skip("cannot make a folder unwritable here (root without chattr)")
+    try:
+        with pytest.raises(CheckpointWriteError) as caught:
+            save_checkpoint(root, 2, roles={"actor": LocalRole(model)}, state=TrainState(step=2), keep_last=2)
+    finally:
+        _restore_writable(root)
+    message = str(caught.value)
+    assert "\n" not in message and "global_step_2" in message
+    assert message.endswith(f"last usable checkpoint: {first}")
+    assert "Permission denied" in message or "Operation not permitted" in message  # chmod or chattr
+    assert caught.value.last_usable == first
+    assert find_resume_checkpoint(root, "auto", None) == first
+
+
+def _restore_writable(folder: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True, check=False)
+    folder.chmod(0o755)

@@ -793,3 +793,26 @@ def test_example_configs_load(home, name, monkeypatch):
     assert config.use_critic == (name == "ppo_gsm8k")
     if name == "ppo_gsm8k":
         assert config.data.train_files == [str(home / "data/gsm8k/train.parquet")]  # ~ expanded
+
+
+def test_batch_size_problems_never_blame_a_critic_the_user_did_not_ask_for():
+    too_big = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    # GRPO has no critic; under the default estimator (gae) the critic inherits the actor's mini-batch:
+    # either way the actor's key is the one named, once
+    for estimator in (["algorithm.adv_estimator=grpo"], []):
+        with pytest.raises(ConfigError) as caught:
+            load_config([*too_big, *estimator])
+        assert [p for p in caught.value.problems if "mini_batch" in p] == [
+            "actor_rollout_ref.actor.ppo_mini_batch_size (4) is larger than data.train_batch_size (2)"
+        ]
+    # the critic's own size, under the default estimator: named, with why there is a critic at all
+    with pytest.raises(ConfigError) as caught:
+        load_config(["data.train_batch_size=8", "critic.ppo_mini_batch_size=16"])
+    assert any(
+        p.startswith("critic.ppo_mini_batch_size (16) is larger")
+        and "algorithm.adv_estimator=gae, the default" in p
+        for p in caught.value.problems
+    ), caught.value.problems
+    # GRPO ignores critic keys: no critic, nothing to check
+    grpo = ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", "critic.ppo_mini_batch_size=16"]
+    assert load_config([*grpo, "actor_rollout_ref.actor.ppo_mini_batch_size=8"]).problems() == []

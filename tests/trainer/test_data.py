@@ -404,3 +404,24 @@ def test_open_prompt_source_from_config(parquet_dir, server, tokenizer, monkeypa
     assert isinstance(source, ServerPromptSource)
     assert sum(r.truncated for r in batch.prompts) == len(LONG_TRAIN)
     assert all(len(r.prompt_ids) <= 80 for r in batch.prompts)
+
+
+def test_a_run_that_never_validates_opens_no_validation_split(server, tokenizer, monkeypatch):
+    """trainer.test_freq=-1 with val_before_train=false: a dataset without the val split still trains."""
+    monkeypatch.setenv("DATA_SERVER_URL", server)
+    never = ["data.dataset=gsm8k", "data.val_split=dev", "trainer.test_freq=-1"]
+    never.append("trainer.val_before_train=false")
+    config = load_config(never)
+    assert not config.validates and load_config([*never, "trainer.test_freq=5"]).validates
+
+    async def open_and_validate(validation: bool):
+        source = await open_prompt_source(config.data, config.services, tokenizer, validation=validation)
+        try:
+            return source, await _collect(source, 4)
+        finally:
+            await source.aclose()
+
+    source, batches = run(open_and_validate(config.validates))
+    assert source.train_size == N_TRAIN and source.val_size == 0 and batches == []
+    with pytest.raises(ValueError, match=r"data.val_split='dev': dataset 'gsm8k' has splits"):
+        run(open_and_validate(True))  # what the run did before: open the split it would never use

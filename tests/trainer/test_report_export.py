@@ -30,7 +30,7 @@ def write_run(run_dir):
             "actor/pg_loss": -0.1 * step,
             "actor/entropy": 2.0 - 0.1 * step,
             "response_length/mean": 10.0 + step,
-            "timing_s/gen": 1.0,
+            "timing_s/gen": 1.0 + 0.1 * step,
             "timing_s/update_actor": 2.0,
         }
 
@@ -203,3 +203,23 @@ def test_export_errors_name_the_problem(tmp_path, capsys):
     # critic saved without tokenizer still exports (config only); tokenizer files are then simply absent
     out = export.export_hf(path, tmp_path / "critic_hf", role="critic")
     assert (out / "config.json").is_file() and not (out / "tokenizer.json").exists()
+
+
+def test_flat_panels_are_dropped_and_one_point_is_kept():
+    series = {
+        "actor/ppo_kl": [(1, 0.0), (2, 0.0), (3, 0.0)],  # no KL term: 0 by construction
+        "actor/pg_loss": [(1, 0.1), (2, -0.2), (3, 0.05)],
+        "actor/grad_norm": [(1, 1.0)],
+    }
+    assert [title for title, _ in report.panels_present(series)] == ["policy loss", "grad norm"]
+    series["actor/kl_loss"] = [(1, 0.0), (2, 0.01), (3, 0.02)]  # one line that moves keeps the panel
+    assert "KL" in [title for title, _ in report.panels_present(series)]
+
+
+def test_demo_summary_says_standard_errors():
+    from jobgroup.demo import standard_errors
+
+    # the larger binomial spread, sqrt(0.5 * 0.5 / 256) = 0.03125: 3.1 points; (0.5 - 0.3) / 0.03125 = 6.4
+    assert standard_errors(0.30, 0.50) == (
+        "256 problems, one standard error is 3.1 points: a change of +6.4 standard errors"
+    )

@@ -59,3 +59,20 @@ def test_sglang_name_drives_the_servers_at_rollout_server_urls(tiny_model, seven
         assert all(m["training/rollout_probs_diff_max"] < 1e-3 for m in steps)
         # after each update the trainer wrote a checkpoint and the server loaded it
         assert httpx.get(url + "/get_model_info").json()["model_path"] != str(tiny_model)
+
+
+def test_a_run_whose_rewards_cannot_be_computed_stops_in_one_line(tiny_model, seven_data, tmp_path):  # noqa: F811
+    """A data_source no scorer knows scores every sample 0 with an error: training on those zeros would
+    teach nothing, so the run stops at step 1 naming the share and the first error."""
+    import pandas as pd
+
+    rows = pd.read_parquet(seven_data / "parquet/train.parquet")
+    rows["data_source"] = "no-such-benchmark"
+    (tmp_path / "data" / "parquet").mkdir(parents=True)
+    rows.to_parquet(tmp_path / "data" / "parquet/train.parquet")
+    args = local_args(tiny_model, tmp_path / "data", tmp_path) + ["reward_model.max_error_fraction=0.5"]
+    done = train(args, check=False)
+    assert done.returncode != 0
+    assert "16 of 16 rewards could not be computed" in done.stderr
+    assert "reward_model.max_error_fraction 0.5" in done.stderr and "no-such-benchmark" in done.stderr
+    assert "Traceback" not in done.stderr.splitlines()[-1]

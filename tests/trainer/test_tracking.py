@@ -18,6 +18,7 @@ from trainer.tracking import (
     compute_throughput_metrics,
     compute_timing_metrics,
     format_console_line,
+    format_metric,
     max_memory_allocated_gb,
     memory_metrics,
     mfu,
@@ -44,11 +45,28 @@ def make_tracker(tmp_path, backends, **kwargs):
 # ---------------------------------------------------------------------------------------- console, jsonl
 
 
-def test_console_line_is_verls_format():
+def test_console_line_is_verls_format_with_significant_digits():
     line = format_console_line(
         {"critic/score/mean": 0.5, "perf/total_num_tokens": 120, "actor/pg_loss": -0.01234}, 3
     )
-    assert line == "step:3 - critic/score/mean:0.500 - perf/total_num_tokens:120.000 - actor/pg_loss:-0.012"
+    assert line == "step:3 - critic/score/mean:0.5 - perf/total_num_tokens:120 - actor/pg_loss:-0.01234"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (2e-5, "2e-05"),  # a learning rate: verl's 3 decimals printed 0.000
+        (1.23456e-7, "1.235e-07"),
+        (0.123456, "0.1235"),
+        (3.0, "3"),  # counts stay whole
+        (1536.25, "1536"),  # 4 significant digits
+        (123456.7, "123457"),  # tokens/s: no exponent
+        (-0.5, "-0.5"),
+        (float("nan"), "nan"),
+    ],
+)
+def test_metric_values_keep_their_significant_digits(value, shown):
+    assert format_metric(value) == shown
 
 
 def test_console_prints_lines_and_a_progress_bar_with_eta(tmp_path, capsys):
@@ -59,8 +77,8 @@ def test_console_prints_lines_and_a_progress_bar_with_eta(tmp_path, capsys):
     tracker.close()
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        "step:1 - critic/score/mean:0.250",
-        "step:2 - critic/score/mean:0.750 - actor/entropy:1.500",
+        "step:1 - critic/score/mean:0.25",
+        "step:2 - critic/score/mean:0.75 - actor/entropy:1.5",
     ]
     assert "Training Progress" in err and "2/4" in err
     assert "<" in err.split("2/4")[-1]  # tqdm's [elapsed<remaining] ETA

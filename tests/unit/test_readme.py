@@ -1,6 +1,10 @@
 """The docs cannot drift: docs/config.md is the schema's reference; the README's test command is CI's."""
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 
 from tests.helpers import ROOT
 from trainer.config import config_reference_markdown
@@ -27,3 +31,115 @@ def test_readme_commands_match_ci():
     assert first_block[1].startswith(".venv/bin/python -m pytest -q")
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q" in ci and "source .venv/bin/activate" in ci
+
+
+# ------------------------------------------------------------------------------- every README command
+
+# What each program needs beyond a fresh clone with its venv; commands of these are listed, not run.
+NOT_RUN_HERE = {
+    "sky": "SkyPilot and a cloud",
+    "docker": "a Docker engine (tests/e2e/test_compose.py runs the compose group)",
+    "$compose": "a Docker engine (tests/e2e/test_compose.py)",
+    "curl": "a running service (tests/services start each on loopback)",
+    "bash": "the whole setup or demo (CI runs quickstart.sh --setup-only)",
+}
+SHELL_SETUP = ("export", "compose=", "source")  # environment lines, nothing to check
+
+
+COMMAND_DOCS = ("README.md", "docs/services.md")  # the pages whose commands a newcomer copies
+
+
+def readme_commands() -> list[tuple[str, str]]:
+    """(command, its comment) for every line of the bash blocks of the README and docs/services.md,
+    continuations joined."""
+    readme = "\n".join((ROOT / doc).read_text() for doc in COMMAND_DOCS)
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL):
+        text, pending = re.sub(r"\\\n\s*", " ", block), ""
+        for line in text.splitlines():
+            if not pending and line.strip().startswith("#"):
+                continue
+            pending += line
+            if pending.partition("  #")[0].count("'") % 2:  # a quoted body goes on (curl -d '{...}')
+                continue
+            command, _, comment = pending.partition("  #")
+            command, pending = command.strip(), ""
+            if command and not command.startswith("#"):
+                commands.append((command, comment.strip()))
+    return commands
+
+
+def python_module(command: str) -> tuple[str, list[str]] | None:
+    """('trainer.main_ppo', [args]) for `python -m ...` or `.venv/bin/python -m ...`."""
+    try:
+        words = shlex.split(command.split("$(")[0])
+    except ValueError:  # quotes closed on a later line (a curl body): not a python command anyway
+        words = command.split()
+    if len(words) >= 3 and words[0] in ("python", ".venv/bin/python") and words[1] == "-m":
+        return words[2], words[3:]
+    return None
+
+
+def test_every_readme_command_is_checked_here_or_needs_what_it_names():
+    for command, _ in readme_commands():
+        program = command.split()[0]
+        assert python_module(command) or program in NOT_RUN_HERE or command.startswith(SHELL_SETUP), (
+            f"README command not covered by tests/unit/test_readme.py: {command}"
+        )
+
+
+def test_each_readme_command_that_needs_the_hub_has_its_offline_twin_beside_it():
+    commands = readme_commands()
+    hub = [i for i, (_, c) in enumerate(commands) if c.startswith("hub") or c.endswith("(hub)")]
+    assert len(hub) >= 4  # the data-server, its export, an embedder, the trainer
+    for index in hub:
+        nearby = commands[max(index - 2, 0) : index + 3]
+        assert any("offline" in comment for _, comment in nearby), f"no offline twin: {commands[index][0]}"
+
+
+SUBCOMMANDS = {"services.retrieval_server": 1, "services.data_server": 0, "jobgroup.local": 1}
+
+
+def test_every_python_module_in_the_readme_answers_help():
+    """Each `python -m MODULE [SUBCOMMAND]` exists and parses its --help (the flags a reader sees)."""
+    checked = set()
+    for command, _ in readme_commands():
+        found = python_module(command)
+        if found is None or found[0] == "pytest":
+            continue
+        module, args = found
+        sub = args[: SUBCOMMANDS.get(module, 0)] if args and not args[0].startswith("-") else []
+        if (module, *sub) in checked:
+            continue
+        checked.add((module, *sub))
+        result = subprocess.run(
+            [sys.executable, "-m", module, *sub, "--help"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 0, f"python -m {module} {' '.join(sub)} --help: {result.stderr[-2000:]}"
+    assert {"trainer.main_ppo", "services.data_server", "jobgroup.local"} <= {m for m, *_ in checked}
+
+
+def test_the_offline_trainer_commands_pass_the_config_checks(tmp_path):
+    """The README's offline trainer command, after its export line, as written (HOME in a temp folder),
+    with --dry-run: every key valid, every path there. Its hub twin is checked the same way offline."""
+    env = {**os.environ, "HOME": str(tmp_path)}
+    commands = [c for c, _ in readme_commands()]
+    export = next(c for c in commands if "export synthetic-arith" in c)
+    offline = [c for c in commands if "trainer.main_ppo" in c and "~/data/arith" in c]
+    assert offline, "the README lost its offline trainer command"
+    for command in [
+        export,
+        *(c.replace("trainer.main_ppo", "trainer.main_ppo --dry-run", 1) for c in offline),
+    ]:
+        shell = command.replace("python -m", f"{sys.executable} -m").replace(
+            "python -c", f"{sys.executable} -c"
+        )
+        result = subprocess.run(
+            ["bash", "-c", shell], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert result.returncode == 0, f"{command}\n{result.stdout[-1000:]}{result.stderr[-2000:]}"

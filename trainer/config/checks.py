@@ -94,7 +94,7 @@ def mini_batch_problems(
 
 
 def batch_size_problems(config: Config) -> list[str]:
-    arr, critic, data = config.actor_rollout_ref, config.critic, config.data
+    arr, data = config.actor_rollout_ref, config.data
     actor, rollout, n, world = arr.actor, arr.rollout, arr.rollout.n, config.world_size
     found = []
     if (data.train_batch_size * n) % world:
@@ -110,18 +110,38 @@ def batch_size_problems(config: Config) -> list[str]:
         config,
     )
     if config.use_critic:
-        found += mini_batch_problems(
+        found += critic_batch_problems(config, reported=found)
+    if world % rollout.tensor_model_parallel_size:
+        found.append(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size "
+            f"({rollout.tensor_model_parallel_size}) must divide the {world} GPU(s) ({GPUS})"
+        )
+    return found
+
+
+def critic_batch_problems(config: Config, reported: list[str]) -> list[str]:
+    """The critic's mini/micro batch problems, said once: a size the critic inherited from the actor
+    (verl's default) is the actor's key to fix, already reported; and since a critic trains only with
+    algorithm.adv_estimator=gae (verl's default estimator) unless critic.enable asks for one, a run meant
+    as GRPO learns why it has a critic at all."""
+    critic = config.critic
+    found = [
+        problem
+        for problem in mini_batch_problems(
             "critic",
             critic.ppo_mini_batch_size,
             critic.ppo_micro_batch_size_per_gpu,
             critic.ppo_micro_batch_size,
             config,
         )
-    if world % rollout.tensor_model_parallel_size:
-        found.append(
-            "actor_rollout_ref.rollout.tensor_model_parallel_size "
-            f"({rollout.tensor_model_parallel_size}) must divide the {world} GPU(s) ({GPUS})"
+        if problem.replace("critic.", "actor_rollout_ref.actor.") not in reported
+    ]
+    if config.algorithm.adv_estimator == "gae":
+        why = (
+            " (a critic trains because algorithm.adv_estimator=gae, the default; "
+            "GRPO: algorithm.adv_estimator=grpo)"
         )
+        found = [problem + why for problem in found]
     return found
 
 

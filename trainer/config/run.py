@@ -137,7 +137,20 @@ class ServicesConfig(Section):
     )
     auth_token: str | None = Field(None, description="Bearer token sent to every service (never printed).")
     timeout_s: float = Field(30.0, gt=0, description="Timeout of one HTTP request.")
-    retries: int = Field(5, ge=0, description="Retries of a failed request (jittered exponential backoff).")
+    retries: int = Field(
+        5,
+        ge=0,
+        description="Retries of a failed request (jittered exponential backoff), at the least; see "
+        "retry_deadline_s.",
+    )
+    retry_deadline_s: float = Field(
+        300.0,
+        ge=0,
+        description="Keep retrying an unreachable or failing service (5xx, 429) until this many seconds "
+        "after the first failure, past `retries`, a try every 2.5-5 s: a service restarted in a job group "
+        "takes tens of seconds. Each retry is logged with its URL, attempt and delay; then the "
+        "run stops with one error line and a checkpoint. 0: stop after `retries`.",
+    )
     health_timeout_s: float = Field(
         60.0, gt=0, description="At start, how long to wait for a needed service's /health."
     )
@@ -168,6 +181,13 @@ class Config(Section):
     @property
     def world_size(self) -> int:
         return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run ever validates (trainer.test_freq > 0, val_before_train or val_only); when not,
+        data.val_split / data.val_files are never opened."""
+        trainer = self.trainer
+        return trainer.test_freq > 0 or trainer.val_before_train or trainer.val_only
 
     @property
     def uses_ray(self) -> bool:

@@ -496,6 +496,15 @@ class RewardModelConfig(Section):
     format_score: float = Field(
         0.0, description="Score of an answer that was found but is wrong (verl's format_score)."
     )
+    max_error_fraction: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Stop the run when the share of a generation round's rewards that could not be computed "
+        "(no scorer for the data_source, a scorer that failed or timed out: scored 0 with an error) reaches "
+        "this fraction; logged as reward/error_fraction. 1.0: only when every reward is an error; 0.0: "
+        "at the first error.",
+    )
 
 
 class CustomRewardFunction(Section):
