@@ -191,6 +191,7 @@ class Group:
     project: str
     env: dict[str, str]
     timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         argv = ["docker", "compose", "-p", self.project, "-f", COMPOSE_FILE, *args]
@@ -265,6 +266,16 @@ def ranks_by_node(dashboard: str) -> dict[str, int]:
     return counts
 
 
+def job_group_urls() -> dict[str, str]:
+    """{service: URL} by the job-group names the trainer's run exports (one replica each)."""
+    urls = exported_urls("\n".join(node_script("trainer-0")), group=GROUP)
+    return {
+        "data-server": urls["DATA_SERVER_URL"],
+        "reward-server": urls["REWARD_SERVER_URL"],
+        "retrieval-server": urls["RETRIEVAL_SERVER_URL"].split(",")[0],  # -1 is the search profile's
+    }
+
+
 def served_uids(data_url: str, steps: int, batch_size: int) -> list[list[str]]:
     """What the data-server hands out step by step, walking its cursor from the start."""
     batches, cursor = [], None
@@ -303,7 +314,8 @@ def group(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multinode")
     from testing.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp / "model", hidden=64, layers=2, heads=4, kv_heads=2, tokenizer="char")
+    # larger than test_compose's: a step of a few seconds, so that a kill lands inside step 3
+    model = make_tiny_model(tmp / "model", hidden=256, layers=4, heads=4, kv_heads=2, tokenizer="char")
     env = {
         **os.environ,
         "GSM8K_DIR": str(gsm8k_folder(tmp)),
@@ -315,8 +327,7 @@ def group(request, tmp_path_factory):
         "TRAIN_BATCH_SIZE": str(BATCH),
         "PPO_MINI_BATCH_SIZE": str(BATCH),
         "SAVE_FREQ": "2",
-        # long enough a step (a few seconds on 2 cores) for a kill to land inside step 3
-        "MAX_RESPONSE_LENGTH": "128",
+        "MAX_RESPONSE_LENGTH": "256",
     }
     run = Group(f"rljg-multinode-{os.getpid()}", env)
     report = request.config.pluginmanager.get_plugin("terminalreporter")
@@ -328,6 +339,8 @@ def group(request, tmp_path_factory):
             report.write_line("")
             for label, seconds in run.timings.items():
                 report.write_line(f"docker compose multinode: {label} {seconds:.1f} s")
+            for note in run.notes:
+                report.write_line(f"docker compose multinode: {note}")
 
 
 @pytest.mark.docker
@@ -350,6 +363,10 @@ def test_two_node_run_loses_a_node_and_resumes_without_losing_a_prompt(group, tm
     up_done = time.monotonic()
     formed = trainer.wait_for(r"Ray cluster ready: 2/2 nodes", 600)[0]
     timings["Ray cluster of 2 nodes formed (after up)"] = formed - up_done
+    # the job-group names, from the worker node: every service, the retrieval-server included
+    names = [f"{name}={url}" for name, url in job_group_urls().items()]
+    probe = group.compose("exec", "-T", "trainer-1", "bash", "jobgroup/scripts/wait_for_services.sh", *names)
+    assert probe.stdout.count("healthy: ") == len(names), probe.stdout
     first = step_time(trainer, 1, 600)
     timings["trainer start to step 1 (services, Ray join, ranks, step 1)"] = first - formed
     # from the Ray cluster itself: one rank per role on each node (policy and reference colocated)
@@ -368,6 +385,7 @@ def test_two_node_run_loses_a_node_and_resumes_without_losing_a_prompt(group, tm
     node1_ip = ips.split("\n")[1]
     assert re.search(rf"node {re.escape(node1_ip)} \(trainer-1\)", error[1]), error[1]
     assert "(step 3)" in error[1] and "global_step_2" in error[1], error[1]
+    group.notes.append(error[1])
     assert not re.search(STEP.format(3), log)
     trainer.stop()
 
