@@ -348,7 +348,7 @@ def rank_failure(
                 break
             except Exception:  # noqa: BLE001 - another ordinary error: the first one stays the cause
                 continue
-    reason = _first_line(exc)
+    reason = _first_line(exc).strip()  # Ray indents the cause of a node's death
     if len(set(rank_nodes)) < 2:
         return rank, reason
     node = next((n for n in ray.nodes() if n["NodeID"] == rank_nodes[rank]), None)
