@@ -8,7 +8,13 @@
 # rank > 0 joins the head unless this node already runs a raylet. With --follow it then stays until
 #          the head goes away, so a job group's trainer task ends when rank 0 stops Ray.
 # Settings: RAY_PORT (6385), RAY_DASHBOARD_PORT (8280), RAY_WAIT_S (600: how long to wait for the
-# head / for the workers). The ports are those of SkyPilot's verl examples: clear of Ray's defaults and
+# head / for the workers), RAY_NUM_CPUS (empty: Ray counts the node's cores; a CPU-only group sets it to
+# its ranks per node, so that each node's placement group lands on its own node, as GPUs force).
+# Node loss: the GCS (on the head) declares a node dead after RAY_health_check_failure_threshold missed
+# health checks, one every RAY_health_check_period_ms, each given RAY_health_check_timeout_ms. Ray's
+# defaults (5 x 3 s, 10 s timeouts) take up to a minute for a node that vanished without closing its
+# connections (a preempted VM, a killed container); the defaults below bound it at about
+# 5 x (2 s + 2 s) = 20 s, after which the trainer's calls on that node's ranks fail and name the node. The ports are those of SkyPilot's verl examples: clear of Ray's defaults and
 # of the Ray cluster SkyPilot runs on every node for itself (6380, dashboard 8266). SkyPilot sets SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES and
 # SKYPILOT_NUM_GPUS_PER_NODE.
 set -euo pipefail
@@ -23,6 +29,11 @@ num_nodes=${SKYPILOT_NUM_NODES:-1}
 gpus=${SKYPILOT_NUM_GPUS_PER_NODE:-0}
 head_ip=$(printf '%s\n' "${SKYPILOT_NODE_IPS:-127.0.0.1}" | head -n1)
 address="$head_ip:$port"
+cpus=()
+[ -n "${RAY_NUM_CPUS:-}" ] && cpus=(--num-cpus="$RAY_NUM_CPUS")
+export RAY_health_check_period_ms=${RAY_health_check_period_ms:-2000}
+export RAY_health_check_timeout_ms=${RAY_health_check_timeout_ms:-2000}
+export RAY_health_check_failure_threshold=${RAY_health_check_failure_threshold:-5}
 
 # A TCP probe first: `ray status` takes ~40 s to give up on an address where nothing listens.
 head_alive() {
@@ -44,7 +55,7 @@ if [ "$rank" = 0 ]; then
     echo "Ray head already running at $address: reusing it"
   else
     echo "starting Ray head at $address (dashboard :$dashboard_port)"
-    ray start --head --node-ip-address="$head_ip" --port="$port" --num-gpus="$gpus" \
+    ray start --head --node-ip-address="$head_ip" --port="$port" --num-gpus="$gpus" "${cpus[@]}" \
       --dashboard-host=0.0.0.0 --dashboard-port="$dashboard_port" --disable-usage-stats
   fi
   deadline=$((SECONDS + wait_s))
@@ -70,7 +81,7 @@ else
       sleep 5
     done
     echo "node $rank joining the Ray head at $address"
-    ray start --address="$address" --num-gpus="$gpus" --disable-usage-stats
+    ray start --address="$address" --num-gpus="$gpus" "${cpus[@]}" --disable-usage-stats
   fi
   if [ $follow = 1 ]; then
     while head_alive; do sleep 30; done

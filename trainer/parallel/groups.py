@@ -22,6 +22,8 @@ share each GPU, as verl's hybrid engine does); giving roles separate pools puts 
 Failure: a Ray rank that dies or raises leaves its peers blocked in a collective. The group waits for
 its ranks one at a time and stops at the first failure: it kills the whole group (so nothing hangs) and
 raises `WorkerGroupError` naming the role, the rank and the call; the loop adds the last checkpoint.
+Across nodes the message also names the rank's node by IP and hostname, and says when that node left
+the Ray cluster (`rank_failure`): a lost node is what a multi-node user needs to see first.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 300.0
 REPLICA_CALLS = "replica"  # the rank actors' concurrency group for the rollout manager's requests
 MAX_REPLICA_CALLS = 512  # requests a rank's engine may have in flight at once (threads in that group)
+# After a rank raised an ordinary error, how long to wait for a peer whose process or node went away
+# (a lost node makes its peers' collectives fail too, often first): that peer is the cause to report.
+ROOT_CAUSE_WAIT_S = 5.0
 
 
 class WorkerGroupError(RuntimeError):
@@ -232,6 +237,7 @@ class RayRanks:
 
         self.role, self.world_size = role, pool.world_size
         self.failure: str | None = None
+        self.rank_nodes: list[str] = []  # each rank's Ray node id, to name a lost node
         remote = ray.remote(concurrency_groups={REPLICA_CALLS: MAX_REPLICA_CALLS})(RankActor)
         self.actors = [
             remote.options(
@@ -248,6 +254,7 @@ class RayRanks:
         self.pids = self._wait(
             [actor.setup.remote(build, master_addr, master_port) for actor in self.actors], "setup"
         )
+        self.rank_nodes = self.node_ids()
 
     def call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
         """Call `method` on every rank (rank r gets per_rank_args[r]); the results in rank order."""
@@ -281,11 +288,9 @@ class RayRanks:
             try:
                 ray.get(ready[0])
             except Exception as exc:  # any failure of a rank ends the group
+                rank, reason = rank_failure(rank_of[ready[0]], exc, pending, rank_of, self.rank_nodes)
                 self.shutdown()
-                self.failure = (
-                    f"{self.role} rank {rank_of[ready[0]]} of {self.world_size} failed during "
-                    f"{what}: {_first_line(exc)}"
-                )
+                self.failure = f"{self.role} rank {rank} of {self.world_size} failed during {what}: {reason}"
                 raise WorkerGroupError(self.failure) from exc
         return ray.get(refs)
 
@@ -416,6 +421,45 @@ def _same_metrics_and_peak_memory(per_rank: list[dict[str, float]]) -> dict[str,
         if name in metrics:
             metrics[name] = max(rank[name] for rank in per_rank)
     return metrics
+
+
+def rank_failure(
+    rank: int, exc: Exception, pending: list, rank_of: dict, rank_nodes: list[str]
+) -> tuple[int, str]:
+    """The rank to blame and one line saying why, naming its node when there are several.
+
+    A rank whose process or node went away (a Ray actor error) is the cause; a rank that raised an
+    ordinary error may only be the peer of one (gloo: "Connection closed by peer"), so the other ranks
+    get ROOT_CAUSE_WAIT_S to fail with an actor error first. How fast a vanished node is noticed is Ray's:
+    at once when its connections close, else after the GCS's health checks (start_ray.sh bounds them).
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if not isinstance(exc, RayActorError) and pending:
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=ROOT_CAUSE_WAIT_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as peer_exc:
+                rank, exc = rank_of[ref], peer_exc
+                break
+            except Exception:  # noqa: BLE001 - another ordinary error: the first one stays the cause
+                continue
+    reason = _first_line(exc).strip()  # Ray indents the cause of a node's death
+    if len(set(rank_nodes)) < 2:
+        return rank, reason
+    node = next((n for n in ray.nodes() if n["NodeID"] == rank_nodes[rank]), None)
+    if node is None:
+        return rank, reason
+    where = f"node {node['NodeManagerAddress']} ({node['NodeManagerHostname']})"
+    if not node["Alive"]:
+        return rank, f"its {where} left the Ray cluster: {reason}"
+    if isinstance(exc, ActorUnavailableError):  # its connections closed: the node or the network is gone
+        return rank, f"lost contact with {where}: {reason}"
+    if isinstance(exc, RayActorError):
+        return rank, f"its process died on {where}: {reason}"
+    return rank, f"on {where}: {reason}"
 
 
 def _first_line(exc: BaseException) -> str:
