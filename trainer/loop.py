@@ -111,13 +111,11 @@ async def train(run: Run) -> dict[str, float]:
                 metrics = await train_step(run, step)
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)
-            if should(cfg.trainer.save_freq, step, run.total_steps):
-                try:
-                    metrics |= timed("save_checkpoint", save, run, step)
-                except BaseException:
-                    run.tracker.log(metrics, step)  # the step trained: its metrics outlive a failed save
-                    raise
+            # The row first, then the checkpoint (its time a row of its own, merged by step): a crash
+            # between the two re-runs the step after a resume rather than leaving a saved step unlogged.
             run.tracker.log(metrics, step)
+            if should(cfg.trainer.save_freq, step, run.total_steps):
+                run.tracker.log(timed("save_checkpoint", save, run, step), step)
         return metrics
     except ServiceError as exc:
         # Keep the finished steps. The failed step changed no weights, but it may have fetched its prompts:
@@ -473,6 +471,7 @@ def resume(run: Run) -> int:
         run.source.restore(state.data_cursor)
         run.kl_ctrl.value = state.extra.get("kl_coef", run.kl_ctrl.value)
         run.last_saved_step = state.step
+        run.sync_weights()  # the engines were built from model.path: they must sample the resumed policy
         print(f"resumed from {path} (step {state.step})", flush=True)
     run.tracker = Tracker(
         cfg.trainer.logger,

@@ -496,10 +496,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_one_rank_in_this_process_and_one_ray_rank_train_alike(cluster, model_dir, gsm8k_files, tmp_path):
-    """One path at every scale: a group of one rank in this process and a Ray group of one rank train
-    alike (the same rank objects, FSDP2 over a world of one). Greedy rollouts: seeded sampling gives both
-    the same seeds, but a random tiny model's near-uniform distribution over 150k tokens turns the last-bit
-    differences of differently batched logits into different draws, which would hide what this checks."""
+    """One path at every scale: with the same seed, a group of one rank in this process and a Ray group of
+    one rank train alike (the same rank objects, FSDP2 over a world of one, seeded sampling whose draws do
+    not depend on how the engine batched the requests)."""
     import asyncio
 
     from trainer.config import load_config
@@ -511,6 +510,9 @@ def test_one_rank_in_this_process_and_one_ray_rank_train_alike(cluster, model_di
         f"custom_reward_function.path={reward}",
         "reward_model.mode=local",
         "trainer.save_freq=-1",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.do_sample=true",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # two optimizer steps: old logprobs computed
     ]
     for where, use_ray in (("local", "false"), ("ray", "true")):

@@ -10,7 +10,6 @@ import torch
 from trainer.batch import TrainBatch
 from trainer.model import load_policy, load_tokenizer
 from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
-from trainer.rollout.hf_engine import filter_top_k_top_p
 from testing.tiny import make_tiny_model
 from trainer.workers.logprobs import response_logprobs
 
@@ -117,16 +116,14 @@ def test_seed_reproduces_and_different_seeds_differ(tiny, prompts):
     assert run(7) != run(8)
 
 
-def test_filter_top_k_top_p_hand_values():
-    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    inf = float("-inf")
-    assert filter_top_k_top_p(logits, top_k=2, top_p=1.0).tolist() == [[3.0, 2.0, inf, inf]]
-    # softmax = [0.6439, 0.2369, 0.0871, 0.0321]; mass of strictly better tokens = [0, 0.6439, 0.8808, 0.9679]
-    assert filter_top_k_top_p(logits, top_k=-1, top_p=0.8).tolist() == [[3.0, 2.0, inf, inf]]
-    assert filter_top_k_top_p(logits, top_k=-1, top_p=0.9).tolist() == [[3.0, 2.0, 1.0, inf]]
-    assert filter_top_k_top_p(logits, top_k=-1, top_p=0.5).tolist() == [[3.0, inf, inf, inf]]
-    shuffled = torch.tensor([[1.0, 3.0, 0.0, 2.0]])  # the same, out of order
-    assert filter_top_k_top_p(shuffled, top_k=3, top_p=0.8).tolist() == [[inf, 3.0, inf, 2.0]]
+def test_a_seeded_prompt_samples_the_same_tokens_in_any_batch(tiny, prompts):
+    """The rollout manager batches whatever requests arrive together: a prompt's samples must depend on
+    its own seed only, not on its batch-mates (a generator per batch made runs unrepeatable)."""
+    sampling = SamplingParams(max_new_tokens=8, n=2, top_k=20, top_p=0.95)
+    together = engine(tiny).generate(prompts, sampling, seeds=[11, 12, 13][: len(prompts)])
+    alone = [engine(tiny).generate([p], sampling, seeds=[s])[0:2] for p, s in zip(prompts, [11, 12, 13])]
+    assert [r.response_ids for r in together] == [r.response_ids for pair in alone for r in pair]
+    assert together[0].response_ids != together[1].response_ids  # the n samples of a prompt differ
 
 
 def test_stop_token_ends_the_response_right_after_it(tiny, prompts):

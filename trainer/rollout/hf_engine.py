@@ -26,12 +26,14 @@ import dataclasses
 import inspect
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.model import autocast
 from trainer.rollout.base import Rollout, SamplingParams
+from trainer.rollout.builtin.sampler import needs_floor, sampling_floors, token_seeds, torch_sample
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
@@ -65,37 +67,17 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def filter_top_k_top_p(scaled_logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf. [B, V] -> [B, V].
-
-    The most likely token always survives, so a row is never empty.
-    """
-    logits = scaled_logits
-    if 0 < top_k < logits.shape[-1]:
-        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the strictly better tokens
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_next_token(
-    logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """logits [B, V] (fp32) -> (token [B], logprob [B]) with logprob under log_softmax(logits / T)."""
-    if sampling.greedy:
-        token = logits.argmax(dim=-1)
-        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
-    scaled_logits = logits / sampling.temperature
-    logprobs = torch.log_softmax(scaled_logits, dim=-1)
-    probs = filter_top_k_top_p(scaled_logits, sampling.top_k, sampling.top_p).softmax(dim=-1)
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+def row_base_seeds(prompt_seeds: Sequence[int | None], n: int) -> np.ndarray:
+    """The base seed of every row (n samples per prompt, consecutive), as the built-in engine derives
+    them: sample j of a prompt seeded s draws from token_seeds(s, -1 - j); an unseeded prompt's samples
+    draw their bases from torch's global RNG (which checkpoints save and restore)."""
+    bases = []
+    for seed in prompt_seeds:
+        if seed is None:
+            bases += [int(torch.randint(0, 2**62, ()).item()) for _ in range(n)]
+        else:
+            bases += token_seeds(np.full(n, seed, dtype=np.int64), -1 - np.arange(n)).tolist()
+    return np.array(bases, dtype=np.int64)
 
 
 def default_eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -138,11 +120,16 @@ class HFRolloutEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: Sequence[int | None] | None = None
+    ) -> list[Rollout]:
+        """n samples of every prompt. seeds: one per prompt (default: sampling.seed for each). A row's
+        noise depends only on its seed and token index (the built-in engine's rule, trainer/rollout/
+        builtin/sampler.py), so a prompt samples the same tokens in any batch, up to the forward's
+        numerics."""
         self._check_prompts(prompt_ids)
-        generator = None  # None: the global torch RNG, which checkpoints save and restore
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        seeds = [sampling.seed] * len(prompt_ids) if seeds is None else list(seeds)
+        bases = row_base_seeds(seeds, sampling.n)
         rows = [(index, prompt) for index, prompt in enumerate(prompt_ids) for _ in range(sampling.n)]
         chunk = self.max_batch_size or len(rows)
         was_training = self.model.training
@@ -150,7 +137,9 @@ class HFRolloutEngine:
         try:
             rollouts: list[Rollout] = []
             for start in range(0, len(rows), chunk):
-                rollouts += self._generate_rows(rows[start : start + chunk], sampling, generator)
+                rollouts += self._generate_rows(
+                    rows[start : start + chunk], sampling, bases[start : start + chunk]
+                )
             return rollouts
         finally:
             self.model.train(was_training)
@@ -179,7 +168,7 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def _generate_rows(
-        self, rows: list[tuple[int, list[int]]], sampling: SamplingParams, generator: torch.Generator | None
+        self, rows: list[tuple[int, list[int]]], sampling: SamplingParams, bases: np.ndarray
     ) -> list[Rollout]:
         device = self.device
         # The n samples of a prompt are consecutive rows: run each distinct prompt through the model once
@@ -204,8 +193,16 @@ class HFRolloutEngine:
                 attention_mask[expand],
                 position_ids[expand],
             )
+        temperatures = torch.full((len(rows),), float(sampling.temperature), device=device)
+        top_k = torch.full((len(rows),), sampling.top_k, dtype=torch.long, device=device)
+        top_p = torch.full((len(rows),), float(sampling.top_p), device=device)
+        truncates = not sampling.greedy and needs_floor(
+            np.array([sampling.top_k]), np.array([sampling.top_p]), logits.shape[-1]
+        )
         for step in range(sampling.max_new_tokens):
-            token, logprob = sample_next_token(logits, sampling, generator)
+            floors = sampling_floors(logits, temperatures, top_k, top_p) if truncates else None
+            seeds = torch.from_numpy(token_seeds(bases, np.full(len(rows), step)))
+            token, logprob = torch_sample(logits.float(), temperatures, seeds, floors)
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logprobs.append(logprob)
@@ -290,9 +287,8 @@ class HFReplica:
     """An HFRolloutEngine as a replica of the rollout manager (a policy rank's `hf` engine).
 
     The manager sends one request per prompt; the replica runs the requests that arrive together with
-    the same sampling settings as one batched generate (in a thread, off the event loop). Seeds: a batch
-    samples with the first request's seed (one generator per batch), or from torch's global RNG when it
-    has none, which checkpoints save and restore.
+    the same sampling settings as one batched generate (in a thread, off the event loop), each request
+    with its own seed: what a request samples does not depend on which others share its batch.
     """
 
     def __init__(self, engine: HFRolloutEngine, *, name: str = "hf") -> None:
@@ -330,7 +326,10 @@ class HFReplica:
                 sampling = requests[0][1]
                 try:
                     rollouts = await asyncio.to_thread(
-                        self.engine.generate, [r[0] for r in requests], sampling
+                        self.engine.generate,
+                        [r[0] for r in requests],
+                        sampling,
+                        [r[1].seed for r in requests],
                     )
                 except Exception as exc:  # noqa: BLE001 - every request of the batch gets the error
                     for _, _, future in requests:
