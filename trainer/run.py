@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.reward_server.schemas import RewardOptions
 from trainer import algos
-from trainer.agent.build import build_agent, chat_template_tools, search_tool_spec
+from trainer.agent.build import agent_tools, build_agent, chat_template_tools
 from trainer.agent.loop import AgentLoop
 from trainer.algos import KLKind
 from trainer.config import Config
@@ -142,7 +142,7 @@ async def build_run(cfg: Config) -> Run:
         cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
     )
     multi_turn = arr.rollout.multi_turn
-    tool = search_tool_spec(multi_turn, cfg.services) if multi_turn.enable else None
+    tool = agent_tools(multi_turn, cfg.services) if multi_turn.enable else None
     data = cfg.data
     if tool is not None:  # the hermes format shows the tool's schema to the model in the prompt
         kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tool)}

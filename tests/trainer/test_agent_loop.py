@@ -23,7 +23,8 @@ from testing.tiny import load_tiny_tokenizer
 from tests.helpers import ROOT, service_process, stop_process
 from trainer.agent.formats import make_format
 from trainer.agent.loop import AgentLoop, AgentSettings
-from trainer.agent.search import SearchBatcher
+from trainer.agent.search import SearchBatcher, SearchTool
+from trainer.agent.tools import SEARCH_TOOL_SCHEMA
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.manager import RolloutManager
 from trainer.rollout.pool import ReplicaPool
@@ -122,8 +123,10 @@ def run_agent(
     async def go():
         manager = RolloutManager(ReplicaPool([replica]), pad_id=tokenizer.pad_token_id)
         client = RetrievalClient(urls, **(client_kwargs or {}))
-        searcher = SearchBatcher(client, topk=2, max_queries=max_queries)
-        loop = AgentLoop(manager, tokenizer, make_format(fmt, tokenizer), searcher, AgentSettings(**settings))
+        search = SearchTool(
+            SearchBatcher(client, topk=2, max_queries=max_queries), SEARCH_TOOL_SCHEMA, style=fmt
+        )
+        loop = AgentLoop(manager, tokenizer, make_format(fmt, tokenizer), [search], AgentSettings(**settings))
         try:
             return await loop.generate(prompts, SamplingParams(n=n, max_new_tokens=1))
         finally:
