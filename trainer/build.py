@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.reward_server.schemas import RewardOptions
 from trainer import algos
-from trainer.agent.build import build_agent, chat_template_tools, search_tool_spec
+from trainer.agent.build import agent_tools, build_agent, chat_template_tools
 from trainer.agent.loop import AgentLoop
 from trainer.algos import KLKind
 from trainer.config import Config
@@ -137,10 +137,10 @@ async def build_run(cfg: Config) -> Run:
         cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
     )
     multi_turn = arr.rollout.multi_turn
-    tool = search_tool_spec(multi_turn, cfg.services) if multi_turn.enable else None
+    tools = agent_tools(multi_turn, cfg.services) if multi_turn.enable else None
     data = cfg.data
-    if tool is not None:  # the hermes format shows the tool's schema to the model in the prompt
-        kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tool)}
+    if tools is not None:  # the hermes format shows the tools' schemas to the model in the prompt
+        kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tools)}
         data = data.model_copy(update={"apply_chat_template_kwargs": kwargs})
     source = await open_prompt_source(
         data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template, validation=cfg.validates
@@ -171,11 +171,11 @@ async def build_run(cfg: Config) -> Run:
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
     )
     agent = None
-    if tool is not None:
+    if tools is not None:
         agent = await build_agent(
             multi_turn,
             cfg.services,
-            tool,
+            tools,
             engine=rollout,
             tokenizer=tokenizer,
             max_response_length=cfg.data.max_response_length,
