@@ -73,6 +73,7 @@ class BatchPlan:
     prompts: int  # data.train_batch_size
     prompts_per_round: int  # data.gen_batch_size with DAPO, else prompts
     group_filter: GroupFilter | None
+    drop_failed_tool_groups: bool = False  # multi_turn.tool_failure=drop_group: leave out failed groups
 
 
 @dataclass
@@ -227,15 +228,20 @@ def advantage_settings(algorithm) -> AdvantageSettings:
 
 
 def batch_plan(cfg: Config) -> BatchPlan:
-    groups = cfg.algorithm.filter_groups
+    groups, multi_turn = cfg.algorithm.filter_groups, cfg.actor_rollout_ref.rollout.multi_turn
+    drop = multi_turn.enable and multi_turn.tool_failure == "drop_group"
     if not groups.enable:
         return BatchPlan(
-            prompts=cfg.data.train_batch_size, prompts_per_round=cfg.data.train_batch_size, group_filter=None
+            prompts=cfg.data.train_batch_size,
+            prompts_per_round=cfg.data.train_batch_size,
+            group_filter=None,
+            drop_failed_tool_groups=drop,
         )
     return BatchPlan(
         prompts=cfg.data.train_batch_size,
         prompts_per_round=cfg.data.gen_batch_size,
         group_filter=GroupFilter(metric=groups.metric, max_rounds=groups.max_num_gen_batches),
+        drop_failed_tool_groups=drop,
     )
 
 

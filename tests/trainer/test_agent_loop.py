@@ -119,10 +119,11 @@ def run_agent(
     max_queries: int = 512,
     code_url: str | None = None,
     max_parallel_calls: int = 1,
+    on_group=None,
     **settings,
 ):
     """One AgentLoop.generate over a ScriptedReplica behind a real pool and manager; with code_url, the
-    code tool (on the code-executor there) beside the search."""
+    code tool (on the code-executor there) beside the search; on_group: as the fit loop's scoring."""
     replica = ScriptedReplica(tokenizer, policy)
     settings = {"max_response_length": 2048, "max_tool_response_length": 512, **settings}
 
@@ -140,7 +141,7 @@ def run_agent(
         settings["max_parallel_calls"] = max_parallel_calls
         loop = AgentLoop(manager, tokenizer, tool_format, tools, AgentSettings(**settings))
         try:
-            return await loop.generate(prompts, SamplingParams(n=n, max_new_tokens=1))
+            return await loop.generate(prompts, SamplingParams(n=n, max_new_tokens=1), on_group=on_group)
         finally:
             await loop.aclose()
             await asyncio.to_thread(manager.close)
@@ -484,6 +485,11 @@ def test_drop_group_ends_the_failed_trajectories_and_names_their_prompt(retrieva
         return code_turn("print(1617)") if "<tool_response>" not in context else answer_turn("hermes", "1617")
 
     prompts = [prompt_ids(tokenizer, row["question"]) for row in (river, composer)]
+    handed_on = {}
+
+    async def on_group(index, rollouts):  # the fit loop scores what it is handed
+        handed_on[index] = rollouts
+
     batch, replica = run_agent(
         tokenizer,
         policy,
@@ -493,6 +499,7 @@ def test_drop_group_ends_the_failed_trajectories_and_names_their_prompt(retrieva
         n=2,
         code_url=dead_url(),
         tool_failure="drop_group",
+        on_group=on_group,
     )
     good, failed = batch.trajectories[:2], batch.trajectories[2:]
     assert all(t.tool_turns == 1 and t.assistant_turns == 2 and not t.failed_tool for t in good)
@@ -504,6 +511,8 @@ def test_drop_group_ends_the_failed_trajectories_and_names_their_prompt(retrieva
         )
     assert len(replica.requests) == 2 * 2 + 2  # two turns of each good trajectory, one of each failed one
     assert batch.failed_prompts == [1] and batch.dropped_groups == 1
+    # the dropped group is never handed on to be scored; the other is, its n rollouts as in the batch
+    assert list(handed_on) == [0] and handed_on[0] == batch.rollouts[:2]
     metrics = batch.metrics()
     assert metrics["tool/dropped_groups"] == 1 and metrics["tool/failed_trajectories"] == 2
     assert AgentBatch.merged([batch, batch]).metrics()["tool/dropped_groups"] == 2

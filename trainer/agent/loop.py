@@ -325,7 +325,8 @@ class AgentLoop:
         self, prompt_ids: Sequence[list[int]], sampling: SamplingParams, on_group: OnGroup | None = None
     ) -> AgentBatch:
         """sampling.n trajectories per prompt, all at once; rollouts grouped by prompt, as engines do.
-        on_group(index, rollouts) gets each prompt's n rollouts as soon as they all end."""
+        on_group(index, rollouts) gets each prompt's n rollouts as soon as they all end, except under
+        tool_failure=drop_group the groups in the batch's failed_prompts, which are not to be trained on."""
         n, batch_key = sampling.n, uuid.uuid4().hex
         trajectories = [
             Trajectory(index, list(prompt)) for index, prompt in enumerate(prompt_ids) for _ in range(n)
@@ -343,7 +344,9 @@ class AgentLoop:
                 )
             finally:
                 self.engine.forget(keys)
-            if on_group is not None:
+            # All n trajectories have ended, so a drop_group verdict on this prompt is final: a group the
+            # trainer will drop is not handed on, and nothing scores it.
+            if on_group is not None and index not in step.failed_prompts:
                 await on_group(index, [trajectories[i].rollout() for i in numbers])
 
         await asyncio.gather(*(group(index) for index in range(len(prompt_ids))))

@@ -304,8 +304,9 @@ class MultiTurnConfig(Section):
         description="What a failed tool call does (its service down after the client's retries, a "
         "sandbox error; not a program that raised). text: the failure text is the tool response and "
         "the trajectory goes on (verl's behaviour); drop_group: the prompt's whole group is left out "
-        "of the step (tool/dropped_groups counts them); retry: the call runs again up to "
-        "tool_failure_retries times, then as text.",
+        "of the step unscored (tool/dropped_groups counts them) and more prompts are generated to fill "
+        "the batch, as DAPO's dynamic sampling does; a round in which every group fails stops the run; "
+        "retry: the call runs again up to tool_failure_retries times, then as text.",
     )
     tool_failure_retries: int = Field(
         2, ge=1, description="tool_failure=retry: tries of a failed call after the first, with backoff."
