@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.reward_server.schemas import RewardOptions
 from trainer import algos
-from trainer.agent.build import build_agent, chat_template_tools, search_tool_spec
+from trainer.agent.build import agent_tools, build_agent, chat_template_tools
 from trainer.agent.loop import AgentLoop
 from trainer.algos import KLKind
 from trainer.config import Config
@@ -73,6 +73,7 @@ class BatchPlan:
     prompts: int  # data.train_batch_size
     prompts_per_round: int  # data.gen_batch_size with DAPO, else prompts
     group_filter: GroupFilter | None
+    drop_failed_tool_groups: bool = False  # multi_turn.tool_failure=drop_group: leave out failed groups
 
 
 @dataclass
@@ -137,10 +138,10 @@ async def build_run(cfg: Config) -> Run:
         cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
     )
     multi_turn = arr.rollout.multi_turn
-    tool = search_tool_spec(multi_turn, cfg.services) if multi_turn.enable else None
+    tools = agent_tools(multi_turn, cfg.services) if multi_turn.enable else None
     data = cfg.data
-    if tool is not None:  # the hermes format shows the tool's schema to the model in the prompt
-        kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tool)}
+    if tools is not None:  # the hermes format shows the tools' schemas to the model in the prompt
+        kwargs = {**data.apply_chat_template_kwargs, **chat_template_tools(multi_turn, tools)}
         data = data.model_copy(update={"apply_chat_template_kwargs": kwargs})
     source = await open_prompt_source(
         data, cfg.services, tokenizer, chat_template=arr.model.custom_chat_template, validation=cfg.validates
@@ -171,11 +172,11 @@ async def build_run(cfg: Config) -> Run:
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
     )
     agent = None
-    if tool is not None:
+    if tools is not None:
         agent = await build_agent(
             multi_turn,
             cfg.services,
-            tool,
+            tools,
             engine=rollout,
             tokenizer=tokenizer,
             max_response_length=cfg.data.max_response_length,
@@ -227,15 +228,20 @@ def advantage_settings(algorithm) -> AdvantageSettings:
 
 
 def batch_plan(cfg: Config) -> BatchPlan:
-    groups = cfg.algorithm.filter_groups
+    groups, multi_turn = cfg.algorithm.filter_groups, cfg.actor_rollout_ref.rollout.multi_turn
+    drop = multi_turn.enable and multi_turn.tool_failure == "drop_group"
     if not groups.enable:
         return BatchPlan(
-            prompts=cfg.data.train_batch_size, prompts_per_round=cfg.data.train_batch_size, group_filter=None
+            prompts=cfg.data.train_batch_size,
+            prompts_per_round=cfg.data.train_batch_size,
+            group_filter=None,
+            drop_failed_tool_groups=drop,
         )
     return BatchPlan(
         prompts=cfg.data.train_batch_size,
         prompts_per_round=cfg.data.gen_batch_size,
         group_filter=GroupFilter(metric=groups.metric, max_rounds=groups.max_num_gen_batches),
+        drop_failed_tool_groups=drop,
     )
 
 

@@ -9,6 +9,7 @@ One step, whatever the algorithm:
     scores     <- each prompt's group scored as soon as its samples are back (reward-server over HTTP,
                   or the same scorers in-process), overlapped with the rest of the generation
     [DAPO]        drop the groups whose rewards do not vary, generate again until full
+    [drop_group]  drop the groups with a failed tool call (unscored), generate again until full
     old/ref logprobs, critic values                         (old logprobs skipped when exactly on-policy
                                                              and nothing else needs them)
     advantages <- trainer.algos (grpo | rloo | reinforce++ | reinforce++-baseline | gae)
@@ -52,7 +53,15 @@ from trainer.checkpoint import (
 from trainer.config import Config
 from trainer.data import PromptRecord
 from trainer.profiling import profiled
-from trainer.build import AdvantageSettings, KLController, Run, build_run, close_run, seed_everything
+from trainer.build import (
+    AdvantageSettings,
+    BatchPlan,
+    KLController,
+    Run,
+    build_run,
+    close_run,
+    seed_everything,
+)
 from trainer.parallel.groups import MEMORY_METRICS, WorkerGroupError
 from trainer.rewards import Scores, check_reward_errors, reward_items, score_rollouts
 from trainer.rollout.base import Rollout, SamplingParams
@@ -208,18 +217,21 @@ class Collected:
 
 
 async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Collected:
-    """Prompts -> rollouts -> scores, grouped by prompt; with DAPO dynamic sampling, keep only the groups
-    whose rewards vary and generate again until the batch is full."""
+    """Prompts -> rollouts -> scores, grouped by prompt; with DAPO dynamic sampling or
+    multi_turn.tool_failure=drop_group, keep only the groups fit to train on (trainable_groups) and
+    generate again until the batch is full."""
     plan, kept, rounds, errors, tool_batches = run.plan, [], 0, 0, []
     sampled, first_error, error_fraction = 0, None, 0.0
     async with rollout_phase(run):
         while len(kept) < plan.prompts:
             rounds += 1
             if plan.group_filter and 0 < plan.group_filter.max_rounds < rounds:
+                dropped = sum(b.dropped_groups for b in tool_batches)
                 raise TrainingAborted(
                     f"dynamic sampling found only {len(kept)} of {plan.prompts} prompts with varying rewards "
                     f"in {plan.group_filter.max_rounds} generation rounds "
                     "(algorithm.filter_groups.max_num_gen_batches)"
+                    + (f"; {dropped} groups were dropped for a failed tool call" if dropped else "")
                 )
             sampling = dataclasses.replace(
                 run.sampling, seed=sampling_seed(run.cfg.trainer.seed, step, rounds)
@@ -233,9 +245,7 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
                 errors, sampled, run.cfg.reward_model.max_error_fraction, first_error
             )
             tool_batches += [tools] if tools is not None else []
-            if plan.group_filter:
-                groups = [g for g in groups if g.rewards_vary(plan.group_filter.metric)]
-            kept += groups[: plan.prompts - len(kept)]
+            kept += trainable_groups(groups, plan, tools)[: plan.prompts - len(kept)]
     rollouts = [dataclasses.replace(r, prompt_index=i) for i, g in enumerate(kept) for r in g.rollouts]
     batch = TrainBatch.from_rollouts(rollouts, run.pad_id, data_sources=[g.prompt.data_source for g in kept])
     scores = Scores(
@@ -253,6 +263,31 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
     if tool_batches:  # multi-turn: turns, tool calls and search errors of every trajectory generated
         metrics |= AgentBatch.merged(tool_batches).metrics()
     return Collected(batch, scores, kept, metrics)
+
+
+def trainable_groups(
+    groups: list[PromptGroup], plan: BatchPlan, tools: AgentBatch | None
+) -> list[PromptGroup]:
+    """The groups of one round (in prompt order) that the step may train on: under
+    multi_turn.tool_failure=drop_group not those with a failed tool call (the agent loop left them
+    unscored), and with DAPO only those whose rewards vary.
+
+    Dropped groups are refilled as DAPO's are, by another round (bounded by DAPO's max rounds where set;
+    without DAPO each such round keeps a group, so it ends). A round that loses every group to failed
+    tool calls stops the run instead, as a service error (the finished steps are saved): the clients'
+    retries are spent, so the tools' services are down and another round would fail the same way."""
+    if plan.drop_failed_tool_groups and tools is not None:
+        failed = set(tools.failed_prompts)
+        if failed and len(failed) == len(groups):
+            failing = sorted(name for name, stats in tools.tools.items() if stats.errors)
+            raise ServiceError(
+                f"every one of the {len(groups)} prompt groups of a generation round had a tool call fail "
+                f"(tools {failing}; multi_turn.tool_failure=drop_group drops them all)"
+            )
+        groups = [group for index, group in enumerate(groups) if index not in failed]
+    if plan.group_filter:
+        groups = [group for group in groups if group.rewards_vary(plan.group_filter.metric)]
+    return groups
 
 
 @asynccontextmanager
@@ -435,6 +470,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     correct: dict[str, list[float]] = defaultdict(list)
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
+    dropped = 0
     sampling = dataclasses.replace(
         run.val_sampling, seed=sampling_seed(cfg.trainer.seed, step, 0, validation=True)
     )
@@ -442,6 +478,9 @@ async def validate(run: Run, step: int) -> dict[str, float]:
         async for batch in run.source.validation_batches(cfg.data.val_batch_size):
             groups, _ = await generate_groups(run, batch.prompts, sampling, {})
             for group in groups:
+                if not group.rollouts:  # dropped for a failed tool call (drop_group): cut short, unscored
+                    dropped += 1
+                    continue
                 source = group.prompt.data_source
                 correct[source] += group.correct
                 rewards[source] += group.scores
@@ -455,6 +494,8 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     for source, right in correct.items():
         metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(right))
         metrics[f"val-aux/{source}/reward/mean@{n}"] = float(np.mean(rewards[source]))
+    if dropped:
+        metrics["val-aux/tool/dropped_groups"] = float(dropped)
     return metrics | {"timing_s/testing": time.perf_counter() - started}
 
 

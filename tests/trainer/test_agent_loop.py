@@ -11,6 +11,7 @@ responses; the turn and length limits; calls that cannot run; queries of waiting
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,10 +21,13 @@ import pytest
 from services.retrieval_server.client import RetrievalClient
 from testing.search import CORPUS, QA_ROWS, ScriptedReplica, write_corpus
 from testing.tiny import load_tiny_tokenizer
-from tests.helpers import ROOT, service_process, stop_process
+from tests.helpers import ROOT, free_port, service_process, stop_process
+from trainer.agent.build import agent_tools, build_agent, chat_template_tools
 from trainer.agent.formats import make_format
-from trainer.agent.loop import AgentLoop, AgentSettings
-from trainer.agent.search import SearchBatcher
+from trainer.agent.loop import AgentBatch, AgentLoop, AgentSettings
+from trainer.agent.code import CodeExecutorClient, CodeTool
+from trainer.agent.search import SearchBatcher, SearchTool
+from trainer.agent.tools import SEARCH_TOOL_SCHEMA, CodeToolSpec, ToolSet
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.manager import RolloutManager
 from trainer.rollout.pool import ReplicaPool
@@ -113,19 +117,31 @@ def run_agent(
     n: int = 1,
     client_kwargs: dict | None = None,
     max_queries: int = 512,
+    code_url: str | None = None,
+    max_parallel_calls: int = 1,
+    on_group=None,
     **settings,
 ):
-    """One AgentLoop.generate over a ScriptedReplica behind a real pool and manager."""
+    """One AgentLoop.generate over a ScriptedReplica behind a real pool and manager; with code_url, the
+    code tool (on the code-executor there) beside the search; on_group: as the fit loop's scoring."""
     replica = ScriptedReplica(tokenizer, policy)
     settings = {"max_response_length": 2048, "max_tool_response_length": 512, **settings}
 
     async def go():
         manager = RolloutManager(ReplicaPool([replica]), pad_id=tokenizer.pad_token_id)
         client = RetrievalClient(urls, **(client_kwargs or {}))
-        searcher = SearchBatcher(client, topk=2, max_queries=max_queries)
-        loop = AgentLoop(manager, tokenizer, make_format(fmt, tokenizer), searcher, AgentSettings(**settings))
+        tools = [
+            SearchTool(SearchBatcher(client, topk=2, max_queries=max_queries), SEARCH_TOOL_SCHEMA, style=fmt)
+        ]
+        if code_url is not None:
+            spec = CodeToolSpec(urls=(code_url,), timeout_s=5)
+            tools.append(CodeTool(CodeExecutorClient(code_url, retries=0, timeout_s=20), spec))
+        names = [tool.name for tool in tools]
+        tool_format = make_format(fmt, tokenizer, max_parallel_calls=max_parallel_calls, tool_names=names)
+        settings["max_parallel_calls"] = max_parallel_calls
+        loop = AgentLoop(manager, tokenizer, tool_format, tools, AgentSettings(**settings))
         try:
-            return await loop.generate(prompts, SamplingParams(n=n, max_new_tokens=1))
+            return await loop.generate(prompts, SamplingParams(n=n, max_new_tokens=1), on_group=on_group)
         finally:
             await loop.aclose()
             await asyncio.to_thread(manager.close)
@@ -366,3 +382,254 @@ def test_server_killed_mid_rollout_the_rollout_goes_on(index, tokenizers):
     assert "The search failed (the retrieval service did not answer)" in tokenizer.decode(
         batch.rollouts[0].response_ids
     )
+
+
+# ------------------------------------------------------------------------------------------ several tools
+
+
+def code_turn(*programs: str) -> str:
+    calls = [{"name": "code_interpreter", "arguments": {"code": code}} for code in programs]
+    return "Let me compute.\n" + "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+
+
+def tool_responses(tokenizer, rollout) -> list[str]:
+    """The bodies of every <tool_response> in a rollout, in order."""
+    text = tokenizer.decode(rollout.response_ids, skip_special_tokens=False)
+    return [part.split("\n</tool_response>", 1)[0] for part in text.split("<tool_response>\n")[1:]]
+
+
+def dead_url() -> str:
+    """A loopback port nobody listens on: a service that is down (connections refused)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def test_the_model_may_call_either_tool_in_any_turn(retrieval, tokenizers):
+    """Search and code in one turn, then code alone, then the answer: each call goes to its tool. The
+    code-executor is down here, so its calls fail (the real one: test_both_tools_on_the_real_services)."""
+    tokenizer = tokenizers["qwen"]
+    question = QA_ROWS[5]["question"]  # the composer Callow, born 1617
+    search = search_turn("hermes", "Callow composer")
+    turns = {0: search + "\n" + code_turn("print(1617 + 17)").split("\n", 1)[1], 2: code_turn("print(2)")}
+
+    def policy(context: str) -> str:
+        return turns.get(context.count("<tool_response>"), answer_turn("hermes", "1617"))
+
+    batch, _ = run_agent(
+        tokenizer, policy, [prompt_ids(tokenizer, question)], [retrieval], fmt="hermes", code_url=dead_url(),
+        max_parallel_calls=2,
+    )  # fmt: skip
+    (trajectory,) = batch.trajectories
+    assert (trajectory.tool_calls, trajectory.tool_turns, trajectory.assistant_turns) == (3, 2, 3)
+    assert (trajectory.tool_errors, trajectory.invalid_calls) == (2, 0) and trajectory.failed_tool
+    found, code, code_again = tool_responses(tokenizer, batch.rollouts[0])
+    # the responses come back in the order of the calls: the passages, then the run's failure
+    assert json.loads(found)["result"].startswith('Doc 1 (Title: "Callow (composer)")')
+    assert code == code_again == "Execution failed: the code-executor did not answer"
+    metrics = batch.metrics()
+    assert (metrics["tool/search/calls"], metrics["tool/search/errors"]) == (1, 0)
+    assert (metrics["tool/code_interpreter/calls"], metrics["tool/code_interpreter/errors"]) == (2, 2)
+    assert metrics["tool/errors"] == 2 and metrics["tool/failed_trajectories"] == 1
+    assert metrics["timing_s/tool_calls/search"] > 0 and metrics["timing_s/tool_calls/code_interpreter"] > 0
+    # text policy (the default): the failure is the tool response, nothing is dropped, but the batch says
+    # which prompt saw a failure
+    assert batch.failed_prompts == [0] and metrics["tool/dropped_groups"] == 0
+
+
+@pytest.mark.parametrize(
+    "policy_settings, healthy, retries, errors",
+    [
+        ({"tool_failure": "text"}, True, 0, 1),  # the first replica is down: its failure is the response
+        ({"tool_failure": "retry", "tool_failure_retries": 2, "retry_backoff_s": 0.0}, True, 1, 0),
+        ({"tool_failure": "retry", "tool_failure_retries": 2, "retry_backoff_s": 0.0}, False, 2, 1),
+    ],
+)
+def test_retry_runs_a_failed_call_again_then_falls_back_to_text(
+    retrieval, tokenizers, policy_settings, healthy, retries, errors
+):
+    """The client does not retry (retries=0) and round-robins two replicas: the first request goes to a
+    dead one, which then cools down, so the retry reaches the live one. Without a live one the retries
+    run out and the failure text is the response."""
+    tokenizer = tokenizers["qwen"]
+    question = QA_ROWS[0]["question"]
+    urls = [dead_url(), retrieval if healthy else dead_url()]
+    batch, _ = run_agent(
+        tokenizer,
+        planned("hermes", {question: ["Norvik River"]}, {question: "Amber"}),
+        [prompt_ids(tokenizer, question)],
+        urls,
+        fmt="hermes",
+        client_kwargs={"retries": 0, "timeout_s": 5},
+        **policy_settings,
+    )
+    (trajectory,) = batch.trajectories
+    (response,) = tool_responses(tokenizer, batch.rollouts[0])
+    metrics = batch.metrics()
+    assert metrics["tool/search/retries"] == retries and metrics["tool/search/errors"] == errors
+    assert trajectory.tool_errors == errors and trajectory.failed_tool == bool(errors)
+    if errors:
+        assert json.loads(response) == {"result": "Search error: the retrieval service did not answer"}
+    else:
+        assert json.loads(response)["result"].startswith('Doc 1 (Title: "Norvik River")')
+    assert trajectory.assistant_turns == 2  # the trajectory went on to its answer either way
+
+
+def test_drop_group_ends_the_failed_trajectories_and_names_their_prompt(retrieval, tokenizers):
+    tokenizer = tokenizers["qwen"]
+    river, composer = QA_ROWS[0], QA_ROWS[5]
+
+    def policy(context: str) -> str:
+        if river["question"] in context:  # searches (the retrieval-server is up), then answers
+            return planned("hermes", {river["question"]: ["Norvik River"]}, {river["question"]: "Amber"})(
+                context
+            )
+        return code_turn("print(1617)") if "<tool_response>" not in context else answer_turn("hermes", "1617")
+
+    prompts = [prompt_ids(tokenizer, row["question"]) for row in (river, composer)]
+    handed_on = {}
+
+    async def on_group(index, rollouts):  # the fit loop scores what it is handed
+        handed_on[index] = rollouts
+
+    batch, replica = run_agent(
+        tokenizer,
+        policy,
+        prompts,
+        [retrieval],
+        fmt="hermes",
+        n=2,
+        code_url=dead_url(),
+        tool_failure="drop_group",
+        on_group=on_group,
+    )
+    good, failed = batch.trajectories[:2], batch.trajectories[2:]
+    assert all(t.tool_turns == 1 and t.assistant_turns == 2 and not t.failed_tool for t in good)
+    for trajectory, rollout in zip(failed, batch.rollouts[2:]):
+        # ended on the model's call: no failure text in the context, no further turn generated
+        assert (trajectory.assistant_turns, trajectory.tool_turns, trajectory.tool_errors) == (1, 0, 1)
+        assert set(rollout.loss_mask) == {1} and "Execution failed" not in tokenizer.decode(
+            rollout.response_ids
+        )
+    assert len(replica.requests) == 2 * 2 + 2  # two turns of each good trajectory, one of each failed one
+    assert batch.failed_prompts == [1] and batch.dropped_groups == 1
+    # the dropped group is never handed on to be scored; the other is, its n rollouts as in the batch
+    assert list(handed_on) == [0] and handed_on[0] == batch.rollouts[:2]
+    metrics = batch.metrics()
+    assert metrics["tool/dropped_groups"] == 1 and metrics["tool/failed_trajectories"] == 2
+    assert AgentBatch.merged([batch, batch]).metrics()["tool/dropped_groups"] == 2
+
+
+def test_verl_example_search_config_runs_a_search_turn(retrieval, tokenizers):
+    """verl's own examples/.../search_tool_config.yaml, unchanged, through the run's entry points
+    (load_config's checks, agent_tools, chat_template_tools, build_agent)."""
+    from trainer.config import load_config
+
+    verl_file = ROOT / "tests" / "fixtures" / "verl_tools" / "search_tool_config.yaml"
+    key = "actor_rollout_ref.rollout.multi_turn"
+    config = load_config(
+        [f"{key}.enable=true", f"{key}.tool_config_path={verl_file}", f"{key}.max_tool_response_length=2048"]
+    )
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    tools = agent_tools(multi_turn, config.services)
+    # the file names verl's example server on port 8000; ours listens on a free port: only the URL moves
+    tools = ToolSet(tuple(dataclasses.replace(spec, urls=(retrieval,)) for spec in tools.tools))
+    tokenizer, question = tokenizers["qwen"], QA_ROWS[0]["question"]
+    messages = [{"role": "user", "content": f"Answer with the search tool. Question: {question}"}]
+    template = chat_template_tools(multi_turn, tools)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template)
+    assert "Searches the web for relevant information" in text  # the file's schema, shown to the model
+    replica = ScriptedReplica(tokenizer, planned("hermes", {question: ["Norvik River"]}, {question: "Amber"}))
+
+    async def go():
+        manager = RolloutManager(ReplicaPool([replica]), pad_id=tokenizer.pad_token_id)
+        agent = await build_agent(
+            multi_turn, config.services, tools, engine=manager, tokenizer=tokenizer, max_response_length=4096
+        )
+        try:
+            prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            return await agent.generate([prompt], SamplingParams(n=1, max_new_tokens=1))
+        finally:
+            await agent.aclose()
+            await asyncio.to_thread(manager.close)
+
+    batch = asyncio.run(go())
+    (response,) = tool_responses(tokenizer, batch.rollouts[0])
+    passages = json.loads(response)["result"]
+    # verl's SearchTool defaults: topk 3 (the file sets none), passages written as verl writes them
+    assert passages.startswith('Doc 1 (Title: "Norvik River")') and "Doc 3 (Title: " in passages
+    assert "Doc 4" not in passages and batch.metrics()["tool/search/calls"] == 1
+    answer = tokenizer.decode(batch.rollouts[0].response_ids, skip_special_tokens=True)
+    assert answer.endswith("<answer> Amber </answer>")
+
+
+def bwrap_missing() -> str | None:
+    """Why the code-executor's sandbox cannot start here (no bubblewrap binary), else None."""
+    from services.code_executor.sandbox import SandboxUnavailable, find_bwrap
+
+    try:
+        find_bwrap(None)
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(bwrap_missing() is not None, reason="the code-executor needs bubblewrap (bwrap)")
+def test_both_tools_on_the_real_services(retrieval, tokenizers, monkeypatch):
+    """The job group's search_code_tool_config.yaml against a real retrieval-server and a real
+    code-executor: one turn searches and runs code at once, the next runs a program that never ends."""
+    from trainer.config import load_config
+
+    tokenizer, question = tokenizers["qwen"], QA_ROWS[5]["question"]  # Callow, born 1617
+    turns = {
+        0: search_turn("hermes", "Callow composer")
+        + "\n"
+        + code_turn("print(1617 + 17)\n1 / 0").split("\n", 1)[1],
+        # verl's SandboxFusionTool reads a call's own `timeout` too: 2 s, not the file's 10
+        2: code_turn("while True:\n    pass").replace('"arguments": {', '"arguments": {"timeout": 2, '),
+    }
+
+    def policy(context: str) -> str:
+        return turns.get(context.count("<tool_response>"), answer_turn("hermes", "1617"))
+
+    with service_process("services.code_executor") as (code_url, _):
+        monkeypatch.setenv("RETRIEVAL_SERVER_URL", retrieval)
+        monkeypatch.setenv("CODE_EXECUTOR_URL", code_url)
+        key = "actor_rollout_ref.rollout.multi_turn"
+        config = load_config(
+            [
+                f"{key}.enable=true",
+                f"{key}.tool_config_path={ROOT / 'jobgroup' / 'tools' / 'search_code_tool_config.yaml'}",
+                f"{key}.max_parallel_calls=2",
+                f"{key}.max_tool_response_length=2048",
+            ]
+        )
+        multi_turn = config.actor_rollout_ref.rollout.multi_turn
+        tools = agent_tools(multi_turn, config.services)
+        replica = ScriptedReplica(tokenizer, policy)
+
+        async def go():
+            manager = RolloutManager(ReplicaPool([replica]), pad_id=tokenizer.pad_token_id)
+            agent = await build_agent(
+                multi_turn,
+                config.services,
+                tools,
+                engine=manager,
+                tokenizer=tokenizer,
+                max_response_length=4096,
+            )
+            try:
+                return await agent.generate(
+                    [prompt_ids(tokenizer, question)], SamplingParams(n=1, max_new_tokens=1)
+                )
+            finally:
+                await agent.aclose()
+                await asyncio.to_thread(manager.close)
+
+        batch = asyncio.run(go())
+    found, ran, endless = tool_responses(tokenizer, batch.rollouts[0])
+    assert json.loads(found)["result"].startswith('Doc 1 (Title: "Callow (composer)")')
+    # a program that raised is a result: its output, then its traceback (verl's stdout + stderr)
+    assert ran.startswith("1634\n") and "ZeroDivisionError" in ran
+    assert endless.endswith("Execution stopped: time limit exceeded.")
+    metrics = batch.metrics()
+    assert metrics["tool/code_interpreter/calls"] == 2 and metrics["tool/errors"] == 0
+    assert not batch.trajectories[0].failed_tool

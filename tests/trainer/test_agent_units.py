@@ -1,5 +1,6 @@
-"""The agent loop's pure parts: parsing tool calls, rendering tool responses as tokens, truncation, and
-verl's tool config file. The loop itself, against a real retrieval-server: test_agent_loop.py."""
+"""The agent loop's pure parts: parsing tool calls, the search tool's responses, rendering them as tokens,
+truncation, the settings. verl's tool config files: test_agent_tools.py. The loop itself, against a real
+retrieval-server: test_agent_loop.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from services.retrieval_server.schemas import Document, Hit
 from testing.tiny import load_tiny_tokenizer
 from trainer.agent.formats import (
     HermesFormat,
-    SearchOutcome,
     SearchR1Format,
     ToolCall,
     Truncation,
@@ -20,7 +20,7 @@ from trainer.agent.formats import (
     make_format,
 )
 from trainer.agent.loop import AgentSettings, ToolClock
-from trainer.agent.tools import base_urls, load_tool_config
+from trainer.agent.search import SearchOutcome, query_list, search_result
 
 ROOT = Path(__file__).resolve().parents[2]
 HITS = [
@@ -44,19 +44,27 @@ def qwen_tok():
 
 def test_search_r1_parse_takes_the_first_closed_action():
     fmt = SearchR1Format(load_tiny_tokenizer("char"))
-    assert fmt.parse("<think>hm</think>\n<search> Norvik River </search>") == [ToolCall(("Norvik River",))]
+    search = ToolCall("search", {"query_list": ["Norvik River"]})
+    assert fmt.parse("<think>hm</think>\n<search> Norvik River </search>") == [search]
     assert fmt.parse("<answer> Amber </answer>") == []  # an answer ends the trajectory
     assert fmt.parse("<answer>Amber</answer> <search>late</search>") == []
-    assert fmt.parse("<search>first</search><answer>x</answer>") == [ToolCall(("first",))]
+    assert fmt.parse("<search>first</search><answer>x</answer>") == [
+        ToolCall("search", {"query_list": ["first"]})
+    ]
     assert fmt.parse("I think it is Amber.") == []  # no action: the trajectory ends (as verl)
     assert fmt.parse("<search> unclosed") == []
     (empty,) = fmt.parse("<search>  \n </search>")
-    assert empty.queries == () and "empty" in empty.problem
+    assert empty.arguments == {} and "empty" in empty.problem
+    # the tags call the search tool by its name in the run's tool config
+    assert (
+        SearchR1Format(load_tiny_tokenizer("char"), tool_name="wiki").parse("<search>q</search>")[0].name
+        == "wiki"
+    )
 
 
 def test_search_r1_observation_wraps_each_response_in_information_tags(char_tok):
     fmt = SearchR1Format(char_tok)
-    text = fmt.result_text(ToolCall(("Norvik River",)), SearchOutcome(hits=[HITS]))
+    text = search_result("search_r1", SearchOutcome(hits=[HITS])).text
     # Search-R1's passage format, stripped as Search-R1 strips it before wrapping
     assert (
         text
@@ -64,22 +72,27 @@ def test_search_r1_observation_wraps_each_response_in_information_tags(char_tok)
     )
     ids = fmt.observation([encode_literal(char_tok, text)], turn_tail="")
     assert char_tok.decode(ids) == f"\n\n<information>{text}</information>\n\n"
-    failed = fmt.result_text(ToolCall(("x",)), SearchOutcome(error="the retrieval service did not answer"))
-    assert failed.startswith("The search failed (the retrieval service did not answer)")
+    failed = search_result("search_r1", SearchOutcome(error="the retrieval service did not answer"))
+    assert failed.text.startswith("The search failed (the retrieval service did not answer)")
+    assert failed.status == "failed"  # the loop's tool_failure policy applies
 
 
 # ------------------------------------------------------------------------------------------ hermes
 
 
 def test_hermes_parse_reads_verl_search_tool_calls():
-    fmt = HermesFormat(load_tiny_tokenizer("char"))
+    fmt = HermesFormat(load_tiny_tokenizer("char"), tool_names=("search", "code_interpreter"))
     text = '<tool_call>\n{"name": "search", "arguments": {"query_list": ["a b", " c "]}}\n</tool_call>'
-    assert fmt.parse(text) == [ToolCall(("a b", "c"))]
+    assert fmt.parse(text) == [ToolCall("search", {"query_list": ["a b", " c "]})]
     as_string = '<tool_call>{"name": "search", "arguments": "{\\"query_list\\": [\\"q\\"]}"}</tool_call>'
-    assert fmt.parse(as_string) == [ToolCall(("q",))]
+    assert fmt.parse(as_string) == [ToolCall("search", {"query_list": ["q"]})]
     assert fmt.parse("The answer is <answer>Amber</answer>") == []
-    two = text + "\n" + text.replace("a b", "d")
-    assert [c.queries for c in fmt.parse(two)] == [("a b", "c"), ("d", "c")]
+    # either tool, in one turn, in the order written
+    code = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(1)"}}</tool_call>'
+    assert [(c.name, c.arguments) for c in fmt.parse(text + "\n" + code)] == [
+        ("search", {"query_list": ["a b", " c "]}),
+        ("code_interpreter", {"code": "print(1)"}),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -87,31 +100,40 @@ def test_hermes_parse_reads_verl_search_tool_calls():
     [
         ('{"name": "search", "arguments": {"query_list": [}}', "not valid JSON"),
         ('{"name": "calculator", "arguments": {"x": 1}}', "unknown tool 'calculator'"),
-        ('{"name": "search", "arguments": {"query": "a"}}', "'query_list' is missing"),
-        ('{"name": "search", "arguments": {"query_list": []}}', "'query_list' is missing"),
-        ('{"name": "search", "arguments": {"query_list": ["ok", " "]}}', "empty query"),
+        ('{"name": "search", "arguments": [1, 2]}', "must be a JSON object"),
         ('["search"]', '{"name": ..., "arguments": {...}}'),
     ],
 )
 def test_hermes_calls_that_cannot_run_carry_the_problem(body, problem):
     (call,) = HermesFormat(load_tiny_tokenizer("char")).parse(f"<tool_call>{body}</tool_call>")
-    assert call.queries == () and problem in call.problem
+    assert call.arguments == {} and problem in call.problem
 
 
-def test_hermes_results_are_verl_search_tool_json(qwen_tok):
-    fmt = HermesFormat(qwen_tok)
-    text = fmt.result_text(ToolCall(("q1", "q2")), SearchOutcome(hits=[HITS[:1], HITS[1:]]))
-    assert json.loads(text) == {
+@pytest.mark.parametrize(
+    "arguments, problem",
+    [
+        ({"query": "a"}, "'query_list' is missing"),
+        ({"query_list": []}, "'query_list' is missing"),
+        ({"query_list": "a"}, "'query_list' is missing"),
+        ({"query_list": ["ok", " "]}, "empty query"),
+    ],
+)
+def test_search_arguments_are_checked_as_verl_search_tool_checks_them(arguments, problem):
+    queries, found = query_list(arguments)
+    assert queries == () and problem in found
+    assert query_list({"query_list": [" a b ", "c"]}) == (("a b", "c"), None)
+
+
+def test_hermes_results_are_verl_search_tool_json():
+    result = search_result("hermes", SearchOutcome(hits=[HITS[:1], HITS[1:]]))
+    assert result.status == "ok" and json.loads(result.text) == {
         "result": 'Doc 1 (Title: "Norvik River")\nIt ends in the Amber Sea.\n---\n'
         'Doc 1 (Title: "Amber Sea")\nA shallow sea.'
     }
-    assert json.loads(fmt.result_text(ToolCall(("q",)), SearchOutcome(error="down"))) == {
-        "result": "Search error: down"
-    }
-    assert json.loads(fmt.result_text(ToolCall(("q",)), SearchOutcome(hits=[[]]))) == {
-        "result": "No search results found."
-    }
-    assert json.loads(fmt.result_text(ToolCall(problem="Error: bad"), None)) == {"result": "Error: bad"}
+    failed = search_result("hermes", SearchOutcome(error="down"))
+    assert failed.status == "failed" and json.loads(failed.text) == {"result": "Search error: down"}
+    empty = search_result("hermes", SearchOutcome(hits=[[]]))
+    assert empty.status == "ok" and json.loads(empty.text) == {"result": "No search results found."}
 
 
 def test_hermes_observation_is_the_chat_template_of_tool_messages(qwen_tok):
@@ -177,49 +199,18 @@ def test_truncation_keeps_the_side_verl_names(char_tok):
 # ------------------------------------------------------------------------------------------ settings
 
 
-def test_verl_tool_config_of_the_job_group(monkeypatch):
-    path = ROOT / "jobgroup" / "tools" / "search_tool_config.yaml"
-    monkeypatch.delenv("RETRIEVAL_SERVER_URL", raising=False)
-    spec = load_tool_config(path)
-    assert spec.urls == ("http://127.0.0.1:8002",) and spec.topk == 3 and spec.timeout_s == 30
-    assert spec.name == "search" and "query_list" in spec.schema["function"]["parameters"]["properties"]
-    monkeypatch.setenv("RETRIEVAL_SERVER_URL", "http://r-0.g:8002,http://r-1.g:8002")
-    assert load_tool_config(path).urls == ("http://r-0.g:8002", "http://r-1.g:8002")
-
-
-def test_bad_tool_configs_are_refused_with_the_reason(tmp_path):
-    def write(body: str) -> Path:
-        path = tmp_path / "tools.yaml"
-        path.write_text(body)
-        return path
-
-    with pytest.raises(ValueError, match="is not a file"):
-        load_tool_config(tmp_path / "missing.yaml")
-    with pytest.raises(ValueError, match="top-level `tools:`"):
-        load_tool_config(write("something: 1\n"))
-    other = "tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {}\n"
-    with pytest.raises(ValueError, match="one tool, the search tool"):
-        load_tool_config(write(other))
-    no_url = "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    config: {topk: 2}\n"
-    with pytest.raises(ValueError, match="retrieval_service_url"):
-        load_tool_config(write(no_url))
-    typo = "tools:\n  - class_name: x.SearchTool\n    config: {retrieval_service_url: http://h, top_k: 2}\n"
-    with pytest.raises(ValueError, match=r"unknown search tool config keys \['top_k'\]"):
-        load_tool_config(write(typo))
-
-
-def test_base_urls_accept_replicas_and_the_retrieve_path():
-    assert base_urls("http://a:1/retrieve") == ("http://a:1",)
-    assert base_urls(" http://a:1/ , http://b:2/retrieve") == ("http://a:1", "http://b:2")
-    with pytest.raises(ValueError):
-        base_urls(" , ")
-
-
 def test_agent_settings_refuse_nonsense():
     with pytest.raises(ValueError):
         AgentSettings(max_response_length=0)
     with pytest.raises(ValueError):
         AgentSettings(max_response_length=10, max_assistant_turns=0)
+    with pytest.raises(ValueError, match="text, drop_group or retry"):
+        AgentSettings(max_response_length=10, tool_failure="ignore")
+    with pytest.raises(ValueError, match="tool_failure_retries"):
+        AgentSettings(max_response_length=10, tool_failure="retry", tool_failure_retries=0)
+    # tries of one call: only the retry policy tries again
+    assert AgentSettings(max_response_length=10, tool_failure="retry", tool_failure_retries=3).tries == 4
+    assert AgentSettings(max_response_length=10, tool_failure="drop_group").tries == 1
 
 
 def test_tool_clock_counts_overlapping_calls_once():

@@ -1,16 +1,32 @@
-"""The loop's own small pieces: advantage dispatch per estimator, DAPO's group filter, schedules,
-and the settings each part is built with once (trainer/build.py)."""
+"""The loop's own small pieces: advantage dispatch per estimator, DAPO's group filter, the groups
+multi_turn.tool_failure=drop_group leaves out, schedules, and the settings each part is built with once
+(trainer/build.py)."""
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from services.common.client import ServiceError
+from services.reward_server.schemas import RewardOptions, RewardResult
 from trainer import algos
+from trainer.agent.loop import AgentBatch, ToolStats, Trajectory
+from trainer.agent.search import SearchStats
 from trainer.batch import TrainBatch
+from trainer.build import BatchPlan, GroupFilter, advantage_settings, batch_plan, sampling_params
 from trainer.config import load_config
-from trainer.data import PromptRecord
-from trainer.loop import PromptGroup, compute_advantages, should
+from trainer.data import PromptBatch, PromptRecord
+from trainer.loop import (
+    PromptGroup,
+    TrainingAborted,
+    collect_batch,
+    compute_advantages,
+    should,
+    trainable_groups,
+)
 from trainer.rollout.base import Rollout
-from trainer.build import advantage_settings, batch_plan, sampling_params
 
 
 def rollout(prompt_index: int, loss_mask=(1, 1, 1)) -> Rollout:
@@ -166,3 +182,149 @@ def test_responses_decode_in_one_backend_call_as_batch_decode_would(kind):
     assert texts == tokenizer.batch_decode(ids, skip_special_tokens=True)
     assert texts[-1] == "12 + 30 = 42. #### 42"
     assert tokenizer.decode([tokenizer.eos_token_id]) not in texts[1]
+
+
+# ------------------------------------------------------------------ multi_turn.tool_failure=drop_group
+
+
+def prompt_record(uid: str) -> PromptRecord:
+    return PromptRecord(uid=uid, data_source="s", prompt_ids=[1, 2], raw_prompt=[], ground_truth=uid)
+
+
+def test_batch_plan_drops_failed_tool_groups_only_for_multi_turn_drop_group():
+    on = ["actor_rollout_ref.rollout.multi_turn.enable=true"]
+    drop = "actor_rollout_ref.rollout.multi_turn.tool_failure=drop_group"
+    assert batch_plan(load_config([*on, drop], check=False)).drop_failed_tool_groups
+    assert not batch_plan(load_config([drop], check=False)).drop_failed_tool_groups  # no agent loop
+    assert not batch_plan(load_config(on, check=False)).drop_failed_tool_groups  # tool_failure=text
+
+
+def tool_batch(groups: int, n: int, failed: set[int]) -> AgentBatch:
+    """An agent batch of `groups` prompts x n trajectories in which the prompts `failed` had a tool fail."""
+    trajectories = [
+        Trajectory(index, [1, 2], tool_errors=int(index in failed))
+        for index in range(groups)
+        for _ in range(n)
+    ]
+    return AgentBatch(
+        [], trajectories, 0.0, SearchStats(), {"search": ToolStats(errors=len(failed))}, len(failed)
+    )
+
+
+def test_trainable_groups_leave_out_failed_tool_groups_then_apply_dapo():
+    groups = [PromptGroup(prompt_record(str(i)), scores=[0.0, float(i % 2)]) for i in range(4)]
+    drop = BatchPlan(prompts=4, prompts_per_round=4, group_filter=None, drop_failed_tool_groups=True)
+    tools = tool_batch(4, 2, failed={1, 2})
+    assert [g.prompt.uid for g in trainable_groups(groups, drop, tools)] == ["0", "3"]
+    # tool_failure text or retry: the failed calls are text the model trains on, nothing is dropped
+    keep = dataclasses.replace(drop, drop_failed_tool_groups=False)
+    assert [g.prompt.uid for g in trainable_groups(groups, keep, tools)] == ["0", "1", "2", "3"]
+    # with DAPO as well: of the groups left, only those whose scores vary (odd i: 0 then 1)
+    dapo = dataclasses.replace(drop, group_filter=GroupFilter(metric="score", max_rounds=0))
+    assert [g.prompt.uid for g in trainable_groups(groups, dapo, tools)] == ["3"]
+    assert trainable_groups(groups, drop, None) == groups  # single-turn: no agent batch
+
+
+def test_a_round_whose_every_group_had_a_tool_fail_stops_as_a_service_error():
+    groups = [PromptGroup(prompt_record(str(i))) for i in range(3)]
+    plan = BatchPlan(prompts=3, prompts_per_round=3, group_filter=None, drop_failed_tool_groups=True)
+    with pytest.raises(ServiceError, match=r"every one of the 3 prompt groups .*\(tools \['search'\]"):
+        trainable_groups(groups, plan, tool_batch(3, 2, failed={0, 1, 2}))
+
+
+class DroppingAgent:
+    """The agent loop's drop_group contract without a model: round r fails a tool call in the prompts
+    rounds[r] (every trajectory of them) and, as AgentLoop does, hands only the other groups on."""
+
+    def __init__(self, rounds: list[set[int]]) -> None:
+        self.rounds = rounds
+
+    async def generate(self, prompt_ids, sampling, on_group=None) -> AgentBatch:
+        failed = self.rounds.pop(0)
+        batch = tool_batch(len(prompt_ids), sampling.n, failed)
+        for index in range(len(prompt_ids)):
+            if index not in failed:
+                await on_group(index, [rollout(index) for _ in range(sampling.n)])
+        return batch
+
+
+class ListSource:
+    """Prompts "0", "1", ... in order, as the data source hands them out."""
+
+    epoch = 0
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    async def next_batch(self, batch_size: int) -> PromptBatch:
+        uids = range(self.taken, self.taken + batch_size)
+        self.taken += batch_size
+        return PromptBatch([prompt_record(str(uid)) for uid in uids], cursor=None, epoch=0)
+
+
+class CountingScorer:
+    def __init__(self) -> None:
+        self.scored: list[str] = []  # the prompt (its ground truth is its uid) of every item scored
+
+    async def score(self, items, options=None) -> list[RewardResult]:
+        self.scored += [item["ground_truth"] for item in items]
+        return [RewardResult(score=1.0, correct=True) for _ in items]
+
+
+def fake_run(rounds: list[set[int]], *overrides: str) -> SimpleNamespace:
+    from testing.tiny import load_tiny_tokenizer
+
+    cfg = load_config(
+        [
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.tool_failure=drop_group",
+            *overrides,
+        ],
+        check=False,
+    )
+    return SimpleNamespace(
+        cfg=cfg,
+        plan=batch_plan(cfg),
+        sampling=sampling_params(cfg.actor_rollout_ref.rollout, 8, validation=False),
+        source=ListSource(),
+        agent=DroppingAgent(rounds),
+        scorer=CountingScorer(),
+        tokenizer=load_tiny_tokenizer("char"),
+        reward_options=RewardOptions(),
+        pad_id=0,
+        colocated=False,
+    )
+
+
+def test_drop_group_refills_the_batch_with_another_round_and_never_scores_a_dropped_group():
+    # round 1: prompts 0 and 1, prompt 1's tool failed; round 2: prompts 2 and 3, all well (3 is not needed)
+    run = fake_run([{1}, set()])
+    collected = asyncio.run(collect_batch(run, 1, {}))
+    assert [g.prompt.uid for g in collected.groups] == ["0", "2"]
+    assert collected.batch.input_ids.shape[0] == 4  # 2 prompts x n=2, prompt 1 nowhere
+    assert collected.metrics["train/num_gen_batches"] == 2 and collected.metrics["tool/dropped_groups"] == 1
+    assert run.scorer.scored.count("1") == 0  # prompts 0, 2, 3 scored as they ended; prompt 1 never was
+    assert sorted(run.scorer.scored) == ["0", "0", "2", "2", "3", "3"]
+
+
+def test_drop_group_with_dapo_counts_the_dropped_groups_in_its_max_rounds_message():
+    run = fake_run(
+        [{1}, {0}],
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=score",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+    )
+    # every score is 1.0, so DAPO keeps nothing either; the message says what the tools dropped
+    with pytest.raises(
+        TrainingAborted, match="in 2 generation rounds .*; 2 groups were dropped for a failed"
+    ):
+        asyncio.run(collect_batch(run, 1, {}))
+
+
+def test_a_step_whose_every_group_had_a_tool_fail_stops_with_a_service_error():
+    run = fake_run([{0, 1}])
+    with pytest.raises(ServiceError, match="every one of the 2 prompt groups"):
+        asyncio.run(collect_batch(run, 1, {}))
+    assert run.scorer.scored == []

@@ -1,27 +1,30 @@
-"""How a model asks for a search, and how the result goes back into its context, as token ids.
+"""How a model calls a tool, and how the result goes back into its context, as token ids.
 
 Two formats, chosen by actor_rollout_ref.rollout.multi_turn.format:
 
-search_r1  Search-R1 (Jin et al. 2025, github.com/PeterGriffinJin/Search-R1). The model writes
-           `<search> query </search>` and generation stops there; the passages come back as
-           `\\n\\n<information>Doc 1(Title: ...) ...</information>\\n\\n` and the model goes on. A turn
-           that closes `<answer> ... </answer>`, or ends without a search, ends the trajectory.
-hermes     chat-template tool calls (Qwen2.5 / Qwen3 / NousResearch hermes), with the schema of verl's
-           SearchTool: `<tool_call>{"name": "search", "arguments": {"query_list": [...]}}</tool_call>`.
-           The results go back as `tool` messages rendered by the tokenizer's own chat template,
-           with the content verl's SearchTool writes (`{"result": "Doc 1 (Title: ...)\\n..."}`), and
-           the template's generation prompt opens the next assistant turn.
+search_r1  Search-R1 (Jin et al. 2025, github.com/PeterGriffinJin/Search-R1), for the search tool
+           alone. The model writes `<search> query </search>` and generation stops there; the
+           passages come back as `\\n\\n<information>Doc 1(Title: ...) ...</information>\\n\\n` and the
+           model goes on. A turn that closes `<answer> ... </answer>`, or ends without a search, ends
+           the trajectory.
+hermes     chat-template tool calls (Qwen2.5 / Qwen3 / NousResearch hermes) to any tool of the run,
+           e.g. `<tool_call>{"name": "search", "arguments": {"query_list": [...]}}</tool_call>` or
+           `<tool_call>{"name": "code_interpreter", "arguments": {"code": "..."}}</tool_call>`, in any
+           turn. The results go back as `tool` messages rendered by the tokenizer's own chat
+           template, and the template's generation prompt opens the next assistant turn.
 
-Token in, token out: the loop never decodes and re-encodes the context. A format turns the text of
-one model turn into tool calls (`parse`), and the tool results into token ids that are appended
-(`observation`): template pieces are encoded once here, each tool response once when it arrives.
-Tool responses are encoded with special tokens split, so a passage that contains `<|im_end|>`
-cannot close the turn.
+A format only finds the calls (`parse`: the tool's name and arguments) and wraps the responses
+(`observation`); each tool checks its own arguments and writes its own response text (search.py,
+code.py), as verl's tools do.
+
+Token in, token out: the loop never decodes and re-encodes the context. Template pieces are encoded
+once here, each tool response once when it arrives. Tool responses are encoded with special tokens
+split, so a passage or a program's output that contains `<|im_end|>` cannot close the turn.
 
 Departures, each on purpose:
-- A turn with no action (neither a search nor an answer) ends the trajectory, as in verl's agent loop;
-  Search-R1 instead appends "My previous action is invalid..." and lets the model try again.
-- A tool call the loop cannot run (empty query, broken JSON, unknown tool) gets a tool response that
+- A turn with no action (neither a tool call nor an answer) ends the trajectory, as in verl's agent
+  loop; Search-R1 instead appends "My previous action is invalid..." and lets the model try again.
+- A tool call the loop cannot run (broken JSON, unknown tool, bad arguments) gets a tool response that
   says why, and the trajectory goes on; verl drops a call whose JSON does not parse.
 - max_tool_response_length counts tokens of each tool response (the issue asks for a token cap;
   verl counts characters). The truncation sides keep verl's meaning: `left` keeps the start and marks
@@ -32,53 +35,42 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
-
-from services.retrieval_server.client import format_passages
-from services.retrieval_server.schemas import Hit
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 FormatName = Literal["search_r1", "hermes"]
 TruncateSide = Literal["left", "right", "middle"]
+ResultStatus = Literal["ok", "invalid", "failed"]
 
 SEARCH_TOOL = "search"
-# The OpenAI-style schema of verl's SearchTool; the chat template shows it to the model (hermes format).
-SEARCH_TOOL_SCHEMA: dict = {
-    "type": "function",
-    "function": {
-        "name": SEARCH_TOOL,
-        "description": "Searches Wikipedia for passages relevant to each query.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query_list": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "description": "A list of fully-formed semantic queries. The tool returns passages for "
-                    "each query.",
-                }
-            },
-            "required": ["query_list"],
-        },
-    },
-}
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call a model turn made: the queries to search, or why it cannot run (told to the model)."""
+    """One call a model turn made: the tool and its arguments, or why it cannot run (told to the model)."""
 
-    queries: tuple[str, ...] = ()
+    name: str = ""
+    arguments: Mapping[str, Any] = field(default_factory=dict)
     problem: str | None = None
 
 
 @dataclass(frozen=True)
-class SearchOutcome:
-    """What one call's search gave: passages per query, or the error after the retries ran out."""
+class ToolResult:
+    """What one call gave the model to read, and how it went.
 
-    hits: list[list[Hit]] | None = None
-    error: str | None = None
+    ok: the tool ran (a program that raised is an ok run: its traceback is the result). invalid: the
+    call could not run (the model's mistake: bad arguments, an unknown tool). failed: the tool itself
+    failed (its service down after the client's retries, a sandbox error): the failure policy applies.
+    """
+
+    text: str
+    status: ResultStatus = "ok"
+    error: str | None = None  # failed: what went wrong, for the logs
+
+    @classmethod
+    def invalid(cls, problem: str) -> ToolResult:
+        return cls(problem, "invalid")
 
 
 class ToolFormat(Protocol):
@@ -87,10 +79,6 @@ class ToolFormat(Protocol):
 
     def parse(self, text: str) -> list[ToolCall]:
         """The tool calls of one model turn's text; [] when the turn ends the trajectory."""
-        ...
-
-    def result_text(self, call: ToolCall, outcome: SearchOutcome | None) -> str:
-        """The tool response the model reads (outcome None: the call could not run)."""
         ...
 
     def observation(self, contents: Sequence[list[int]], turn_tail: str) -> list[int]:
@@ -160,7 +148,9 @@ class SearchR1Format:
     name: FormatName = "search_r1"
     stop = ("</search>", "</answer>")
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, *, tool_name: str = SEARCH_TOOL) -> None:
+        """tool_name: the search tool's name in the run's tool config (the tags call it)."""
+        self.tool_name = tool_name
         self.open_ids = encode_template(tokenizer, "\n\n<information>")
         self.close_ids = encode_template(tokenizer, "</information>\n\n")
 
@@ -171,17 +161,9 @@ class SearchR1Format:
             return []
         query = match.group(2).strip()
         if not query:
-            return [
-                ToolCall(problem="The search query is empty. Put the query between <search> and </search>.")
-            ]
-        return [ToolCall((query,))]
-
-    def result_text(self, call: ToolCall, outcome: SearchOutcome | None) -> str:
-        if outcome is None:
-            return call.problem or ""
-        if outcome.error is not None:
-            return f"The search failed ({outcome.error}). Search again or give your answer."
-        return format_passages(outcome.hits[0]).strip() if outcome.hits and outcome.hits[0] else ""
+            problem = "The search query is empty. Put the query between <search> and </search>."
+            return [ToolCall(self.tool_name, problem=problem)]
+        return [ToolCall(self.tool_name, {"query_list": [query]})]
 
     def observation(self, contents: Sequence[list[int]], turn_tail: str) -> list[int]:
         ids: list[int] = []
@@ -196,17 +178,9 @@ _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ASSISTANT_MARK = "@@ASSISTANT_TURN@@"
 
 
-def verl_passages(hits: list[Hit]) -> str:
-    """One query's passages as verl's SearchTool writes them: `Doc i (Title: t)\\ntext`, blank-line apart."""
-    blocks = []
-    for i, hit in enumerate(hits, start=1):
-        title, _, text = hit.document.contents.partition("\n")
-        blocks.append(f"Doc {i} (Title: {title})\n{text}")
-    return "\n\n".join(blocks)
-
-
 def tool_call_from_json(body: str, tool_names: Sequence[str]) -> ToolCall:
-    """One `<tool_call>` body -> the queries, or the problem the model is told about."""
+    """One `<tool_call>` body -> the tool and its arguments, or the problem the model is told about.
+    The arguments are the tool's to check."""
     try:
         call = json.loads(body)
     except json.JSONDecodeError as exc:
@@ -215,19 +189,15 @@ def tool_call_from_json(body: str, tool_names: Sequence[str]) -> ToolCall:
         return ToolCall(problem='Error: a tool call needs {"name": ..., "arguments": {...}}.')
     if call["name"] not in tool_names:
         return ToolCall(problem=f"Error: unknown tool {call['name']!r}; the tools are {list(tool_names)}.")
-    arguments = call.get("arguments")
+    arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             arguments = None
-    queries = arguments.get("query_list") if isinstance(arguments, dict) else None
-    if not isinstance(queries, list) or not queries or not all(isinstance(q, str) for q in queries):
-        return ToolCall(problem="Error: 'query_list' is missing, empty, or not a list of strings.")
-    queries = [q.strip() for q in queries]
-    if not all(queries):
-        return ToolCall(problem="Error: 'query_list' holds an empty query.")
-    return ToolCall(tuple(queries))
+    if not isinstance(arguments, dict):
+        return ToolCall(call["name"], problem="Error: the tool call's arguments must be a JSON object.")
+    return ToolCall(call["name"], arguments)
 
 
 class HermesFormat:
@@ -244,17 +214,6 @@ class HermesFormat:
 
     def parse(self, text: str) -> list[ToolCall]:
         return [tool_call_from_json(body.strip(), self.tool_names) for body in _TOOL_CALL.findall(text)]
-
-    def result_text(self, call: ToolCall, outcome: SearchOutcome | None) -> str:
-        if outcome is None:
-            result = call.problem or ""
-        elif outcome.error is not None:
-            result = f"Search error: {outcome.error}"
-        elif not outcome.hits or not any(outcome.hits):
-            result = "No search results found."
-        else:
-            result = "\n---\n".join(verl_passages(hits) for hits in outcome.hits)
-        return json.dumps({"result": result}, ensure_ascii=False)
 
     def observation(self, contents: Sequence[list[int]], turn_tail: str) -> list[int]:
         pieces = self.template_pieces(len(contents))
@@ -299,8 +258,12 @@ class HermesFormat:
 def make_format(
     name: FormatName, tokenizer, *, max_parallel_calls: int = 1, tool_names: Sequence[str] = (SEARCH_TOOL,)
 ) -> ToolFormat:
+    """The format of multi_turn.format over the run's tools (search_r1: the search tool alone)."""
     if name == "search_r1":
-        return SearchR1Format(tokenizer)
+        if len(tool_names) != 1:
+            tools = list(tool_names)
+            raise ValueError(f"multi_turn.format=search_r1 calls one tool, the search; the run has {tools}")
+        return SearchR1Format(tokenizer, tool_name=tool_names[0])
     if name == "hermes":
         fmt = HermesFormat(tokenizer, max_parallel_calls=max_parallel_calls, tool_names=tool_names)
         fmt.template_pieces(1)  # fail at start, not mid-rollout, on a template without tool messages

@@ -1,11 +1,12 @@
-"""AgentLoop: multi-turn rollouts that search while they generate, one coroutine per trajectory.
+"""AgentLoop: multi-turn rollouts that call tools while they generate, one coroutine per trajectory.
 
     trajectory: generate until a closed tool call, an answer, the end of the turn or the budget
-                -> parse the turn -> search (in one /retrieve with every other waiting trajectory)
-                -> append the tool response's tokens (loss mask 0) -> generate again ...
+                -> parse the turn -> run its calls (searches go in one /retrieve with every other
+                waiting trajectory's; code runs go to the code-executor) -> append the tool responses'
+                tokens (loss mask 0) -> generate again ...
 
 Every model turn is its own request through the rollout manager's async path (`generate_async`: the
-replica pool's routing, continuous batching in the engine), so a trajectory waiting for its search
+replica pool's routing, continuous batching in the engine), so a trajectory waiting for its tools
 holds back nobody's generation, and nothing waits for a whole batch between turns. A trajectory's turns
 all go to the replica of its first turn (a routing key), where its prefix was computed; a prompt's
 group is handed on (`on_group`, the fit loop's scoring) as soon as its n trajectories end.
@@ -21,27 +22,42 @@ Limits, as verl's ToolAgentLoop: a trajectory ends after multi_turn.max_assistan
 use what is left), or when a tool response would not fit (the last turn is then the model's, so the
 final reward lands on a model token). Tool calls beyond max_parallel_calls in one turn are ignored.
 
-Metrics (verl's names): num_turns/{mean,max,min} counts the prompt, the model turns and the tool
-turns of a trajectory (a plain single-turn answer is 2); tool_calls/{mean,max} per trajectory;
-tool/errors: calls whose search failed after its retries; timing_s/tool_calls: wall time during
-which at least one search was in flight (so tool time / step time is the share of the step).
+A tool that fails (its service down after the client's retries, a sandbox error; not a program that
+raised, nor a call with bad arguments) is handled by multi_turn.tool_failure:
+    text        the failure text is the tool response and the trajectory goes on (verl's behaviour)
+    retry       the call runs again, up to tool_failure_retries more times, then as text
+    drop_group  the trajectory ends at once, the other trajectories of its prompt end at their next
+                tool turn, and the batch names the prompt (AgentBatch.failed_prompts) so the trainer
+                drops the whole group from the step: no gradient from "search failed" text
+Trajectory.failed_tool marks every trajectory whose last try of a call failed, under any policy.
+
+Metrics (verl's names where verl has them): num_turns/{mean,max,min} counts the prompt, the model
+turns and the tool turns of a trajectory (a plain single-turn answer is 2); tool_calls/{mean,max} per
+trajectory; tool/errors: calls that failed after their retries; tool/invalid_calls; per tool
+tool/{name}/{calls,errors,invalid_calls,retries} and timing_s/tool_calls/{name}; tool/dropped_groups
+under drop_group; timing_s/tool_calls: wall time during which at least one call was in flight (so
+tool time / step time is the share of the step).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from trainer.agent.formats import ToolCall, ToolFormat, Truncation, TruncateSide, encode_literal
-from trainer.agent.search import SearchBatcher, SearchOutcome, SearchStats
+from services.common.client import backoff_delay
+from trainer.agent.formats import ToolCall, ToolFormat, ToolResult, Truncation, TruncateSide, encode_literal
+from trainer.agent.search import SearchStats, SearchTool
 from trainer.rollout.base import FinishReason, Rollout, SamplingParams
+
+FailurePolicy = Literal["text", "drop_group", "retry"]
 
 
 class TurnEngine(Protocol):
@@ -62,6 +78,19 @@ class TurnEngine(Protocol):
 OnGroup = Callable[[int, list[Rollout]], Awaitable[None]]
 
 
+class Tool(Protocol):
+    """What the loop needs of a tool (search.SearchTool, code.CodeTool)."""
+
+    name: str
+    schema: dict
+
+    async def call(self, arguments: Mapping[str, Any]) -> ToolResult:
+        """Run one call; never raises for the service's failures (a failed result instead)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
     """actor_rollout_ref.rollout.multi_turn.* and the response budget, resolved once."""
@@ -72,6 +101,9 @@ class AgentSettings:
     max_parallel_calls: int = 1  # tool calls run per model turn
     max_tool_response_length: int = 256  # tokens of one tool response before truncation
     tool_response_truncate_side: TruncateSide = "middle"
+    tool_failure: FailurePolicy = "text"  # what a failed tool call does (module docstring)
+    tool_failure_retries: int = 2  # tool_failure=retry: more tries of a failed call
+    retry_backoff_s: float = 0.5  # tool_failure=retry: first backoff (full jitter, doubling, <= 8 s)
 
     def __post_init__(self) -> None:
         if self.max_response_length < 1 or self.max_parallel_calls < 1:
@@ -79,6 +111,15 @@ class AgentSettings:
         for name in ("max_assistant_turns", "max_user_turns"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.tool_failure not in ("text", "drop_group", "retry"):
+            raise ValueError(f"tool_failure must be text, drop_group or retry, not {self.tool_failure!r}")
+        if self.tool_failure_retries < 1 or self.retry_backoff_s < 0:
+            raise ValueError("tool_failure_retries must be >= 1 and retry_backoff_s >= 0")
+
+    @property
+    def tries(self) -> int:
+        """Tries of one call: 1, or 1 + the retries under tool_failure=retry."""
+        return 1 + self.tool_failure_retries if self.tool_failure == "retry" else 1
 
 
 @dataclass
@@ -92,10 +133,15 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     assistant_turns: int = 0
     tool_turns: int = 0
-    tool_calls: int = 0  # calls run (searches, and calls refused with a problem)
-    tool_errors: int = 0  # calls whose search failed after its retries
-    invalid_calls: int = 0  # calls that could not run (empty query, bad JSON, unknown tool)
+    tool_calls: int = 0  # calls made (run, or refused with a problem)
+    tool_errors: int = 0  # calls whose tool failed on its last try
+    invalid_calls: int = 0  # calls that could not run (bad JSON, unknown tool, bad arguments)
     finish_reason: FinishReason = "stop"
+
+    @property
+    def failed_tool(self) -> bool:
+        """A call of this trajectory failed on its last try (what tool_failure=drop_group drops)."""
+        return self.tool_errors > 0
 
     def add_model_turn(self, turn: Rollout) -> None:
         self.response_ids += turn.response_ids
@@ -146,6 +192,20 @@ class ToolClock:
 
 
 @dataclass
+class ToolStats:
+    """One tool's calls in one generate(): the per-tool metrics."""
+
+    calls: int = 0  # calls that reached the tool (the model named it)
+    invalid_calls: int = 0  # its arguments were unusable
+    errors: int = 0  # failed on the last try
+    retries: int = 0  # tries after a failure (tool_failure=retry)
+    seconds: float = 0.0  # wall time with a call of this tool in flight
+
+    def add(self, other: ToolStats) -> ToolStats:
+        return ToolStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclass
 class AgentBatch:
     """One generate() call: rollouts in prompt order (n per prompt) and what the tools did."""
 
@@ -153,10 +213,19 @@ class AgentBatch:
     trajectories: list[Trajectory]
     tool_seconds: float
     search: SearchStats
+    tools: dict[str, ToolStats] = field(default_factory=dict)
+    dropped_groups: int = 0  # tool_failure=drop_group: prompts named in failed_prompts
+
+    @property
+    def failed_prompts(self) -> list[int]:
+        """Prompt indices (of this generate() call) with a trajectory whose tool failed: under
+        tool_failure=drop_group the trainer drops these prompt groups from the step."""
+        return sorted({t.prompt_index for t in self.trajectories if t.failed_tool})
 
     @classmethod
     def merged(cls, batches: Sequence[AgentBatch]) -> AgentBatch:
-        """Several generate() calls of one step (DAPO refills) as one."""
+        """Several generate() calls of one step (DAPO refills) as one, for the metrics (prompt indices
+        repeat across calls: take failed_prompts of each call before merging)."""
         search = SearchStats(
             requests=sum(b.search.requests for b in batches),
             queries=sum(b.search.queries for b in batches),
@@ -164,11 +233,17 @@ class AgentBatch:
             failed_calls=sum(b.search.failed_calls for b in batches),
             errors=[e for b in batches for e in b.search.errors],
         )
+        tools: dict[str, ToolStats] = {}
+        for batch in batches:
+            for name, stats in batch.tools.items():
+                tools[name] = tools.get(name, ToolStats()).add(stats)
         return cls(
             [r for b in batches for r in b.rollouts],
             [t for b in batches for t in b.trajectories],
             sum(b.tool_seconds for b in batches),
             search,
+            tools,
+            sum(b.dropped_groups for b in batches),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -182,11 +257,40 @@ class AgentBatch:
             "tool_calls/max": float(calls.max()),
             "tool/errors": float(sum(t.tool_errors for t in self.trajectories)),
             "tool/invalid_calls": float(sum(t.invalid_calls for t in self.trajectories)),
+            "tool/failed_trajectories": float(sum(t.failed_tool for t in self.trajectories)),
+            "tool/dropped_groups": float(self.dropped_groups),
             "tool/retrieve_requests": float(self.search.requests),
         }
         if self.search.requests:
             metrics["tool/queries_per_request"] = self.search.queries / self.search.requests
+        for name, stats in self.tools.items():
+            metrics[f"tool/{name}/calls"] = float(stats.calls)
+            metrics[f"tool/{name}/errors"] = float(stats.errors)
+            metrics[f"tool/{name}/invalid_calls"] = float(stats.invalid_calls)
+            metrics[f"tool/{name}/retries"] = float(stats.retries)
+            metrics[f"timing_s/tool_calls/{name}"] = stats.seconds
         return metrics
+
+
+@dataclass
+class _Step:
+    """What the trajectories of one generate() share: the clocks, the per-tool counts, and the prompts
+    whose group a failed tool call condemned (tool_failure=drop_group)."""
+
+    clock: ToolClock
+    clocks: dict[str, ToolClock]
+    stats: dict[str, ToolStats]
+    failed_prompts: set[int] = field(default_factory=set)
+
+    @classmethod
+    def start(cls, names: Sequence[str]) -> _Step:
+        return cls(ToolClock(), {n: ToolClock() for n in names}, {n: ToolStats() for n in names})
+
+    def tool_stats(self) -> dict[str, ToolStats]:
+        return {
+            name: dataclasses.replace(stats, seconds=self.clocks[name].seconds)
+            for name, stats in self.stats.items()
+        }
 
 
 def turn_seed(seed: int, trajectory: int, turn: int) -> int:
@@ -201,53 +305,64 @@ class AgentLoop:
         engine: TurnEngine,
         tokenizer,
         tool_format: ToolFormat,
-        searcher: SearchBatcher,
+        tools: Sequence[Tool],
         settings: AgentSettings,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.format = tool_format
-        self.searcher = searcher
+        self.tools = {tool.name: tool for tool in tools}
+        if len(self.tools) != len(tools) or not tools:
+            raise ValueError(f"the agent needs tools with distinct names, got {[t.name for t in tools]}")
+        self.search = next((tool for tool in tools if isinstance(tool, SearchTool)), None)
         self.settings = settings
         self.truncation = Truncation.build(
             tokenizer, settings.max_tool_response_length, settings.tool_response_truncate_side
         )
+        self._rng = random.Random()
 
     async def generate(
         self, prompt_ids: Sequence[list[int]], sampling: SamplingParams, on_group: OnGroup | None = None
     ) -> AgentBatch:
         """sampling.n trajectories per prompt, all at once; rollouts grouped by prompt, as engines do.
-        on_group(index, rollouts) gets each prompt's n rollouts as soon as they all end."""
+        on_group(index, rollouts) gets each prompt's n rollouts as soon as they all end, except under
+        tool_failure=drop_group the groups in the batch's failed_prompts, which are not to be trained on."""
         n, batch_key = sampling.n, uuid.uuid4().hex
         trajectories = [
             Trajectory(index, list(prompt)) for index, prompt in enumerate(prompt_ids) for _ in range(n)
         ]
-        clock = ToolClock()
-        self.searcher.take_stats()
+        step = _Step.start(list(self.tools))
+        if self.search is not None:
+            self.search.batcher.take_stats()
 
         async def group(index: int) -> None:
             numbers = range(index * n, (index + 1) * n)
             keys = [f"{batch_key}-{number}" for number in numbers]
             try:
                 await asyncio.gather(
-                    *(self.run(trajectories[i], i, sampling, clock, key) for i, key in zip(numbers, keys))
+                    *(self.run(trajectories[i], i, sampling, step, key) for i, key in zip(numbers, keys))
                 )
             finally:
                 self.engine.forget(keys)
-            if on_group is not None:
+            # All n trajectories have ended, so a drop_group verdict on this prompt is final: a group the
+            # trainer will drop is not handed on, and nothing scores it.
+            if on_group is not None and index not in step.failed_prompts:
                 await on_group(index, [trajectories[i].rollout() for i in numbers])
 
         await asyncio.gather(*(group(index) for index in range(len(prompt_ids))))
-        return AgentBatch(
-            [t.rollout() for t in trajectories], trajectories, clock.seconds, self.searcher.take_stats()
-        )
+        search = self.search.batcher.take_stats() if self.search is not None else SearchStats()
+        batch = AgentBatch([t.rollout() for t in trajectories], trajectories, step.clock.seconds, search)
+        batch.tools = step.tool_stats()
+        if self.settings.tool_failure == "drop_group":
+            batch.dropped_groups = len(batch.failed_prompts)
+        return batch
 
     async def run(
         self,
         trajectory: Trajectory,
         number: int,
         sampling: SamplingParams,
-        clock: ToolClock,
+        step: _Step,
         key: str | None = None,
     ) -> None:
         """Turns until an end condition; the trajectory fills in place. key: the routing key of its turns."""
@@ -277,28 +392,47 @@ class AgentLoop:
             calls = self.format.parse(text)[: settings.max_parallel_calls]
             if not calls:
                 return
-            with clock:
-                contents = await self.call_tools(trajectory, calls)
+            contents = await self.call_tools(trajectory, calls, step)
+            if settings.tool_failure == "drop_group":
+                if trajectory.failed_tool:
+                    step.failed_prompts.add(trajectory.prompt_index)
+                if trajectory.prompt_index in step.failed_prompts:
+                    return  # its group is dropped: end on the model's turn, spend nothing more on it
             tail = self.tokenizer.decode(turn.response_ids[-1:], skip_special_tokens=False)
             observation = self.format.observation(contents, tail)
             if len(trajectory.response_ids) + len(observation) >= settings.max_response_length:
                 return  # no room for another model turn after it: end on the model's turn
             trajectory.add_tool_turn(observation)
 
-    async def call_tools(self, trajectory: Trajectory, calls: list[ToolCall]) -> list[list[int]]:
+    async def call_tools(self, trajectory: Trajectory, calls: list[ToolCall], step: _Step) -> list[list[int]]:
         """Run a turn's calls together; -> each tool response's (truncated) token ids."""
-
-        async def one(call: ToolCall) -> SearchOutcome | None:
-            return None if call.problem is not None else await self.searcher.search(call.queries)
-
-        outcomes = await asyncio.gather(*(one(call) for call in calls))
+        results = await asyncio.gather(*(self.call_tool(call, step) for call in calls))
         trajectory.tool_calls += len(calls)
-        trajectory.invalid_calls += sum(call.problem is not None for call in calls)
-        trajectory.tool_errors += sum(o is not None and o.error is not None for o in outcomes)
-        return [
-            self.truncation.apply(encode_literal(self.tokenizer, self.format.result_text(call, outcome)))
-            for call, outcome in zip(calls, outcomes)
-        ]
+        trajectory.invalid_calls += sum(r.status == "invalid" for r in results)
+        trajectory.tool_errors += sum(r.status == "failed" for r in results)
+        return [self.truncation.apply(encode_literal(self.tokenizer, r.text)) for r in results]
+
+    async def call_tool(self, call: ToolCall, step: _Step) -> ToolResult:
+        """One call, tried again on failure under tool_failure=retry (with backoff)."""
+        if call.problem is not None or call.name not in self.tools:
+            if call.name in step.stats:
+                step.stats[call.name].calls += 1
+                step.stats[call.name].invalid_calls += 1
+            return ToolResult.invalid(call.problem or f"Error: unknown tool {call.name!r}.")
+        tool, stats = self.tools[call.name], step.stats[call.name]
+        stats.calls += 1
+        with step.clock, step.clocks[call.name]:
+            for attempt in range(self.settings.tries):
+                if attempt:
+                    stats.retries += 1
+                    delay = backoff_delay(attempt - 1, self.settings.retry_backoff_s, 8.0, self._rng)
+                    await asyncio.sleep(delay)
+                result = await tool.call(call.arguments)
+                if result.status != "failed":
+                    break
+        stats.invalid_calls += result.status == "invalid"
+        stats.errors += result.status == "failed"
+        return result
 
     async def aclose(self) -> None:
-        await self.searcher.aclose()
+        await asyncio.gather(*(tool.aclose() for tool in self.tools.values()))

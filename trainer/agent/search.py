@@ -1,4 +1,10 @@
-"""SearchBatcher: the queries of every trajectory waiting for a search at a moment, in one /retrieve.
+"""The search tool: verl's SearchTool against the retrieval-server, its queries batched.
+
+SearchTool checks a call's arguments (`query_list`, as verl's SearchTool) and writes the response
+text: verl's JSON (`{"result": "Doc 1 (Title: ...)\\n..."}`) in the hermes format, Search-R1's
+passages in the search_r1 format.
+
+SearchBatcher: the queries of every trajectory waiting for a search at a moment, in one /retrieve.
 
 A trajectory that closes a search call hands its queries over and waits. A sender task, started
 when a request slot is free, takes *everything* waiting when it runs and sends it as one request;
@@ -9,20 +15,32 @@ retrieval-server batches concurrent requests again on its side).
 A slow or failing server costs bounded time: the client retries connection errors, timeouts, 429 and
 5xx with full-jitter exponential backoff (services.common.client), and after the last attempt every
 call of that request gets a SearchOutcome with the error, which the trajectory reads as its tool
-response. Nothing here raises into the rollout.
+response (a failed result: the loop's tool-failure policy applies). Nothing here raises into the
+rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from services.retrieval_server.client import RetrievalClient
-from trainer.agent.formats import SearchOutcome
+from services.retrieval_server.client import RetrievalClient, format_passages
+from services.retrieval_server.schemas import Hit
+from trainer.agent.formats import FormatName, ToolResult
 
 log = logging.getLogger("trainer.agent")
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """What one call's search gave: passages per query, or the error after the retries ran out."""
+
+    hits: list[list[Hit]] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -151,3 +169,70 @@ def _short(exc: BaseException) -> str:
     if "gave up after" in text:
         return "the retrieval service did not answer"
     return text[:200]
+
+
+# ------------------------------------------------------------------------------------------ the tool
+
+
+class SearchTool:
+    """verl's SearchTool over a SearchBatcher: one call searches its query_list."""
+
+    def __init__(self, batcher: SearchBatcher, schema: dict, *, style: FormatName = "hermes") -> None:
+        """style: the run's multi_turn.format, which decides how passages are written back."""
+        self.batcher = batcher
+        self.schema = schema
+        self.name: str = schema["function"]["name"]
+        self.style = style
+
+    async def call(self, arguments: Mapping[str, Any]) -> ToolResult:
+        queries, problem = query_list(arguments)
+        if problem is not None:
+            return ToolResult.invalid(response_text(self.style, problem))
+        return search_result(self.style, await self.batcher.search(queries))
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        await self.batcher.client.wait_healthy(timeout_s)
+
+    async def aclose(self) -> None:
+        await self.batcher.aclose()
+
+
+def search_result(style: FormatName, outcome: SearchOutcome) -> ToolResult:
+    """What the model reads of one call's search: Search-R1's passages, or verl's SearchTool JSON."""
+    if outcome.error is not None:
+        if style == "search_r1":
+            text = f"The search failed ({outcome.error}). Search again or give your answer."
+        else:
+            text = f"Search error: {outcome.error}"
+        return ToolResult(response_text(style, text), "failed", outcome.error)
+    hits = outcome.hits or []
+    if style == "search_r1":
+        return ToolResult(format_passages(hits[0]).strip() if hits and hits[0] else "")
+    if not any(hits):
+        return ToolResult(response_text(style, "No search results found."))
+    return ToolResult(response_text(style, "\n---\n".join(verl_passages(query_hits) for query_hits in hits)))
+
+
+def response_text(style: FormatName, result: str) -> str:
+    """hermes: verl's SearchTool answers `{"result": ...}`; Search-R1 reads the bare text."""
+    return result if style == "search_r1" else json.dumps({"result": result}, ensure_ascii=False)
+
+
+def query_list(arguments: Mapping[str, Any]) -> tuple[tuple[str, ...], str | None]:
+    """verl's SearchTool argument: a non-empty list of non-empty strings; -> (queries, problem)."""
+    queries = arguments.get("query_list")
+    if not isinstance(queries, list) or not queries or not all(isinstance(q, str) for q in queries):
+        return (), "Error: 'query_list' is missing, empty, or not a list of strings."
+    queries = [q.strip() for q in queries]
+    if not all(queries):
+        return (), "Error: 'query_list' holds an empty query."
+    return tuple(queries), None
+
+
+def verl_passages(hits: list[Hit]) -> str:
+    """One query's passages as verl's SearchTool writes them: `Doc i (Title: t)\\ntext`, blank-line apart."""
+    blocks = []
+    for i, hit in enumerate(hits, start=1):
+        title, _, text = hit.document.contents.partition("\n")
+        blocks.append(f"Doc {i} (Title: {title})\n{text}")
+    return "\n\n".join(blocks)

@@ -267,22 +267,38 @@ def algorithm_problems(config: Config) -> list[str]:
 
 def tool_config_notices(config: Config) -> list[str]:
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    lines = []
+    retries_default = type(multi_turn).model_fields["tool_failure_retries"].default
+    retries_unused = multi_turn.tool_failure != "retry" and multi_turn.tool_failure_retries != retries_default
+    if multi_turn.enable and retries_unused:
+        lines.append(
+            f"no effect: actor_rollout_ref.rollout.multi_turn.tool_failure_retries="
+            f"{multi_turn.tool_failure_retries} (tool_failure={multi_turn.tool_failure}, not retry)"
+        )
+    return lines + tool_file_notices(multi_turn)
+
+
+def tool_file_notices(multi_turn) -> list[str]:
     if not (multi_turn.enable and multi_turn.tool_config_path):
         return []
     from trainer.agent.tools import load_tool_config
 
     try:
-        spec = load_tool_config(multi_turn.tool_config_path)
+        tools = load_tool_config(multi_turn.tool_config_path)
     except ValueError:
         return []  # a problem, reported by multi_turn_problems
-    if not spec.no_effect:
+    if not tools.no_effect:
         return []
-    keys = ", ".join(spec.no_effect)
-    return [f"accepted, no effect here: {keys} of {multi_turn.tool_config_path} (the loop batches queries)"]
+    keys = ", ".join(tools.no_effect)
+    return [
+        f"accepted, no effect here: {keys} of {multi_turn.tool_config_path} (the loop batches searches "
+        "and runs calls concurrently itself)"
+    ]
 
 
 def multi_turn_problems(config: Config) -> list[str]:
-    """The search tool must be reachable by name: a readable tool config, or a retrieval-server URL."""
+    """The tools must be reachable by name: a readable tool config, or a retrieval-server URL for search;
+    Search-R1's tags call the search tool alone."""
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return []
@@ -291,9 +307,14 @@ def multi_turn_problems(config: Config) -> list[str]:
         from trainer.agent.tools import load_tool_config  # torch-free
 
         try:
-            load_tool_config(multi_turn.tool_config_path)
+            tools = load_tool_config(multi_turn.tool_config_path)
         except ValueError as exc:
             return [f"{key}.tool_config_path: {exc}"]
+        if multi_turn.format == "search_r1" and (len(tools.tools) != 1 or tools.search is None):
+            return [
+                f"{key}.format=search_r1 calls the search tool alone, but {multi_turn.tool_config_path} "
+                f"lists {list(tools.names)}; use format=hermes for several tools"
+            ]
         return []
     if not config.services.retrieval_url:
         return [

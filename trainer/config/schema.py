@@ -281,18 +281,35 @@ class ValKwargs(Section):
 class MultiTurnConfig(Section):
     enable: bool = Field(
         False,
-        description="Multi-turn rollouts that call the search tool (the retrieval-server) while they "
-        "generate; the built-in engine generates them (trainer/agent/).",
+        description="Multi-turn rollouts that call tools while they generate: the search tool (the "
+        "retrieval-server) and the code interpreter (the code-executor); the built-in engine generates "
+        "them (trainer/agent/).",
     )
     format: Literal["hermes", "search_r1"] = Field(
         "hermes",
-        description="Tool-call format. hermes: <tool_call> JSON rendered by the chat template (verl's "
-        "SearchTool schema); search_r1: Search-R1's <search> / <information> / <answer> tags.",
+        description="Tool-call format. hermes: <tool_call> JSON to any of the run's tools, their schemas "
+        "shown by the chat template; search_r1: Search-R1's <search> / <information> / <answer> tags "
+        "(the search tool alone).",
     )
     tool_config_path: str | None = Field(
         None,
-        description="verl tool config YAML naming the search tool (URL, topk, timeout, schema). null: "
+        description="verl tool config YAML: a list of tools, verl.tools.search_tool.SearchTool "
+        "(retrieval_service_url, topk, timeout) and/or verl.tools.sandbox_fusion_tools.SandboxFusionTool "
+        "(sandbox_fusion_url: the code-executor, default_timeout, default_language, memory_limit_mb), "
+        "each with config.type native and an optional tool_schema. null: the search tool alone at "
         "services.retrieval_url, topk 3, the SearchTool schema.",
+    )
+    tool_failure: Literal["text", "drop_group", "retry"] = Field(
+        "text",
+        description="What a failed tool call does (its service down after the client's retries, a "
+        "sandbox error; not a program that raised). text: the failure text is the tool response and "
+        "the trajectory goes on (verl's behaviour); drop_group: the prompt's whole group is left out "
+        "of the step unscored (tool/dropped_groups counts them) and more prompts are generated to fill "
+        "the batch, as DAPO's dynamic sampling does; a round in which every group fails stops the run; "
+        "retry: the call runs again up to tool_failure_retries times, then as text.",
+    )
+    tool_failure_retries: int = Field(
+        2, ge=1, description="tool_failure=retry: tries of a failed call after the first, with backoff."
     )
     max_assistant_turns: int | None = Field(
         None, ge=1, description="Model turns per trajectory. null: only the response length limits them."
@@ -370,7 +387,7 @@ class RolloutConfig(Section):
     )
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling used for validation.")
     multi_turn: MultiTurnConfig = Field(
-        default_factory=MultiTurnConfig, description="Multi-turn rollouts with the search tool."
+        default_factory=MultiTurnConfig, description="Multi-turn rollouts with tools (search, code)."
     )
 
 
