@@ -24,7 +24,8 @@ from trainer.rollout.builtin.worker import EngineWorker
 from trainer.rollout.client import HttpReplica, ReplicaDown, RolloutRequestError
 from trainer.rollout.launcher import builtin_servers, gpu_groups, sglang_command
 from trainer.rollout.local import LocalReplica
-from trainer.rollout.manager import RolloutManager, http_manager, sample_seed
+from trainer.rollout.manager import RolloutManager, http_manager
+from trainer.rollout.protocol import sample_seed
 from trainer.rollout.pool import ReplicaPool, RolloutUnavailable
 
 SERVER_ARGS = ("--device", "cpu", "--max-running-requests", "8", "--context-length", "160")

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import httpx
 
 from trainer.rollout.base import Rollout
-from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs
+from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs, sample_seed
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # sampling_params.sampling_seed arrived in sgl-project/sglang#10678 (merged 2025-09-20), first released in
@@ -123,7 +123,6 @@ class HttpReplica:
         seed, n = params.get("sampling_seed"), params.get("n", 1)
         if seed is None or n == 1:
             return rollouts_from_outputs(payload["input_ids"], prompt_index, await self.generate(payload))
-        from trainer.rollout.manager import sample_seed
 
         singles = [
             {

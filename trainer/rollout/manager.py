@@ -27,22 +27,12 @@ from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.pool import Replica, ReplicaPool
-from trainer.rollout.protocol import wire_sampling
+from trainer.rollout.protocol import sample_seed, wire_sampling
 
 T = TypeVar("T")
-
-
-def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A distinct, reproducible seed per sample of a seeded batch (same seed, same prompt and sample
-    index: same sample). SGLang applies one sampling_seed to all n samples of a request, which would make
-    a GRPO group n copies of one response, so a seeded prompt is sent as n requests of n=1."""
-    entropy = [seed & (2**63 - 1), prompt_index, sample_index]
-    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
-    return int(mixed >> np.uint64(1))
 
 
 class RolloutManager:

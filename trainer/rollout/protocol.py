@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.rollout.base import Rollout, SamplingParams
@@ -470,3 +471,12 @@ class PauseGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A distinct, reproducible seed per sample of a seeded batch (same seed, same prompt and sample
+    index: same sample). SGLang applies one sampling_seed to all n samples of a request, which would make
+    a GRPO group n copies of one response, so a seeded prompt is sent as n requests of n=1."""
+    entropy = [seed & (2**63 - 1), prompt_index, sample_index]
+    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
+    return int(mixed >> np.uint64(1))
