@@ -83,11 +83,6 @@ def compile_decoder_layers(layers: list[nn.Module], *, backend: str | Callable =
         layer.forward = types.MethodType(compiled, layer)
 
 
-def uncompile_decoder_layers(layers: list[nn.Module]) -> None:
-    for layer in layers:
-        layer.__dict__.pop("forward", None)
-
-
 def is_compiled(layer: nn.Module) -> bool:
     return "forward" in layer.__dict__
 

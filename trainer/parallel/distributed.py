@@ -199,11 +199,6 @@ class Scatter:
     ) -> Scatter:
         return cls(tuple(tuple(rows) for rows in shard_rows(token_counts, parts, chunk, balance=balance)))
 
-    @classmethod
-    def whole(cls, rows: int) -> Scatter:
-        """Every row to the one rank, in order."""
-        return cls((tuple(range(rows)),))
-
     def gather_rows(self, per_rank: Sequence[Tensor], width: int | None = None) -> Tensor:
         """Per-rank [b_r, T_r] results -> [B, width] in the original row order (zero-padded columns)."""
         width = width or max(part.shape[1] for part in per_rank)

@@ -123,7 +123,6 @@ class BuiltinEngine:
         self.running: dict[int, _Seq] = {}  # id(seq) -> seq, in admission order
         self.pending: deque[_Launch] = deque()
         self.released: set[str] = set()
-        self._weights_on_host: list[Tensor] | None = None
         self._rows: list[_Seq] = []
         self._inputs: StepInputs | None = None
         self._allocate()
