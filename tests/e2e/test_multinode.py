@@ -359,7 +359,9 @@ def test_two_node_run_loses_a_node_and_resumes_without_losing_a_prompt(group, tm
         killed["at"] = time.monotonic()
         subprocess.run(["docker", "kill", node1], capture_output=True, timeout=60)
 
-    trainer.on(STEP.format(2), kill_node1)  # step 3 starts at once: node 1 dies in it
+    # the loop logs a step's row, then checkpoints it and logs the save's time: once that line is out,
+    # step 3 starts at once, and node 1 dies in it
+    trainer.on(STEP.format(2) + r".*timing_s/save_checkpoint", kill_node1)
     up_done = time.monotonic()
     formed = trainer.wait_for(r"Ray cluster ready: 2/2 nodes", 600)[0]
     timings["Ray cluster of 2 nodes formed (after up)"] = formed - up_done
