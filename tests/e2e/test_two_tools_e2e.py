@@ -41,7 +41,7 @@ def tool_user(tmp_path_factory):
     return folder
 
 
-@pytest.mark.slow  # 2 min 13 s measured on 2 busy shared cores, 105 s of it teaching the model
+@pytest.mark.slow  # 2:13 and 2:54 measured on 2 shared cores at load 4-7, 105-141 s of it teaching
 def test_grpo_steps_calling_search_and_code_through_the_four_services(tool_user, tmp_path):
     data = tmp_path / "twotools"
     data.mkdir()
