@@ -6,11 +6,15 @@
     down  stop a group that `up` started elsewhere (it reads RUN_DIR/state.json)
 
 Services: data-server :8000, reward-server :8001, retrieval-server :8002 (only with an index:
---retrieval-index DIR, or --retrieval-corpus FILE.jsonl to build one first). USE_RETRIEVAL, a flag
-(true/false, 1/0, yes/no) as in the SkyPilot job group, decides when set: false leaves the
+--retrieval-index DIR, or --retrieval-corpus FILE.jsonl to build one first), code-executor :8003 (only
+when asked: USE_CODE_EXECUTOR=true, or `code` in --services; it needs bubblewrap and user namespaces,
+and refuses to start without them). USE_RETRIEVAL and USE_CODE_EXECUTOR are flags (true/false, 1/0,
+yes/no) as in the SkyPilot job group; USE_RETRIEVAL decides when set: false leaves the
 retrieval-server out even with an index, true requires one. With the retrieval-server in the group,
-`run` trains with search (the trainer gets actor_rollout_ref.rollout.multi_turn.enable=true). Their
-output is printed line by line as `[data-server] ...` and kept in RUN_DIR/logs/.
+`run` trains with search (the trainer gets actor_rollout_ref.rollout.multi_turn.enable=true); with the
+code-executor, the reward-server gets --code-executor-url and `run` trains with the code interpreter
+(jobgroup/tools/code_tool_config.yaml, or search_code_tool_config.yaml with search too; format hermes).
+Their output is printed line by line as `[data-server] ...` and kept in RUN_DIR/logs/.
 
 No orphans: every child runs in its own process group, and teardown sends SIGTERM to each group, then
 SIGKILL to what is left after --grace seconds. Any failure — a service exiting, a health wait timing
@@ -48,8 +52,36 @@ class Defaults:
     data_port: int = 8000
     reward_port: int = 8001
     retrieval_port: int = 8002
+    code_port: int = 8003
     health_timeout_s: float = 300.0  # the retrieval-server loads its index and embedder before /health
     grace_s: float = 15.0  # a little over the services' own graceful drain (10 s)
+
+
+@dataclass(frozen=True)
+class ServiceKind:
+    """What the launcher knows of one service: how to serve it and how the trainer finds it."""
+
+    name: str  # its name in the logs, state.json and error messages
+    command: tuple[str, ...]  # python -m ..., before the flags every service shares
+    url_var: str  # env var the trainer's clients (or its tool config) read
+    url_key: str | None  # trainer config key; None: the tool config reads url_var
+
+
+# By the key --services names them with.
+SERVICE_KINDS = {
+    "data": ServiceKind("data-server", ("services.data_server",), "DATA_SERVER_URL", "services.data_url"),
+    "reward": ServiceKind(
+        "reward-server", ("services.reward_server",), "REWARD_SERVER_URL", "services.reward_url"
+    ),
+    "retrieval": ServiceKind(
+        "retrieval-server",
+        ("services.retrieval_server", "serve"),
+        "RETRIEVAL_SERVER_URL",
+        "services.retrieval_url",
+    ),
+    "code": ServiceKind("code-executor", ("services.code_executor",), "CODE_EXECUTOR_URL", None),
+}
+TOOL_CONFIGS = Path(__file__).resolve().parent / "tools"
 
 
 @dataclass(frozen=True)
@@ -60,7 +92,7 @@ class ServiceSpec:
     argv: tuple[str, ...]
     port: int
     url_var: str  # env var the trainer's clients read
-    url_key: str  # trainer config key
+    url_key: str | None  # trainer config key (None: read from url_var by the tool config)
 
     @property
     def url(self) -> str:
@@ -252,34 +284,34 @@ def choose_port(port: int, name: str) -> int:
 def chosen_services(opts: argparse.Namespace) -> list[str]:
     if opts.services:
         names = [s.strip() for s in opts.services.split(",") if s.strip()]
-        unknown = sorted(set(names) - {"data", "reward", "retrieval"})
+        unknown = sorted(set(names) - set(SERVICE_KINDS))
         if unknown:
-            raise GroupFailure(f"--services: unknown {unknown}; choose from data, reward, retrieval")
+            raise GroupFailure(f"--services: unknown {unknown}; choose from {', '.join(SERVICE_KINDS)}")
         if "retrieval" in names and not (opts.retrieval_index or opts.retrieval_corpus):
             raise GroupFailure("retrieval needs --retrieval-index DIR or --retrieval-corpus FILE.jsonl")
         return names
     names = ["data", "reward"]
-    return names + ["retrieval"] if retrieval_wanted(opts) else names
+    if retrieval_wanted(opts):
+        names.append("retrieval")
+    if read_flag("USE_CODE_EXECUTOR"):  # unset is off: the code-executor runs untrusted programs
+        names.append("code")
+    return names
+
+
+def read_flag(name: str) -> bool | None:
+    try:
+        return env_flag(name)
+    except ValueError as exc:
+        raise GroupFailure(str(exc)) from None
 
 
 def retrieval_wanted(opts: argparse.Namespace) -> bool:
     """USE_RETRIEVAL decides when it is set; otherwise an index or a corpus given means yes."""
     given = bool(opts.retrieval_index or opts.retrieval_corpus)
-    try:
-        flag = env_flag("USE_RETRIEVAL")
-    except ValueError as exc:
-        raise GroupFailure(str(exc)) from None
+    flag = read_flag("USE_RETRIEVAL")
     if flag and not given:
         raise GroupFailure("USE_RETRIEVAL is on: give --retrieval-index DIR or --retrieval-corpus FILE.jsonl")
     return given if flag is None else flag
-
-
-# The command that serves each service, before the flags every service shares.
-SERVICE_COMMANDS = {
-    "data": ("services.data_server",),
-    "reward": ("services.reward_server",),
-    "retrieval": ("services.retrieval_server", "serve"),
-}
 
 
 def retrieval_index_path(opts: argparse.Namespace) -> Path:
@@ -288,28 +320,44 @@ def retrieval_index_path(opts: argparse.Namespace) -> Path:
 
 
 def plan_services(opts: argparse.Namespace) -> list[ServiceSpec]:
+    """Ports first (the reward-server's command names the code-executor's), then each command line."""
+    keys = chosen_services(opts)
+    ports = {key: choose_port(getattr(opts, f"{key}_port"), SERVICE_KINDS[key].name) for key in keys}
     specs = []
-    for key in chosen_services(opts):
-        port = choose_port(getattr(opts, f"{key}_port"), f"{key}-server")
-        index = ("--index", str(retrieval_index_path(opts))) if key == "retrieval" else ()
-        extra = shlex.split(getattr(opts, f"{key}_server_args") or "")
-        argv = (sys.executable, "-m", *SERVICE_COMMANDS[key], *index, "--host", "127.0.0.1",
-                "--log-format", "text", "--port", str(port), *extra)  # fmt: skip
-        specs.append(
-            ServiceSpec(f"{key}-server", argv, port, f"{key.upper()}_SERVER_URL", f"services.{key}_url")
-        )
+    for key in keys:
+        kind = SERVICE_KINDS[key]
+        own: tuple[str, ...] = ()
+        if key == "retrieval":
+            own = ("--index", str(retrieval_index_path(opts)))
+        if key == "reward" and "code" in ports:  # code rows: their test cases run on the code-executor
+            own = ("--code-executor-url", f"http://127.0.0.1:{ports['code']}")
+        extra = shlex.split(getattr(opts, f"{kind.name.replace('-', '_')}_args") or "")
+        argv = (sys.executable, "-m", *kind.command, *own, "--host", "127.0.0.1",
+                "--log-format", "text", "--port", str(ports[key]), *extra)  # fmt: skip
+        specs.append(ServiceSpec(kind.name, argv, ports[key], kind.url_var, kind.url_key))
     return specs
 
 
 def trainer_argv(opts: argparse.Namespace, services: list[ServiceSpec]) -> tuple[str, ...]:
     """The default trainer gets services.* keys first, so the user's own KEY=VALUE args win. With the
-    retrieval-server in the group it trains with search (multi-turn tool calls), as USE_RETRIEVAL does
-    in the SkyPilot group; `actor_rollout_ref.rollout.multi_turn.enable=false` turns that off."""
+    retrieval-server or the code-executor in the group it trains with their tools (multi-turn tool
+    calls), as USE_RETRIEVAL / USE_CODE_EXECUTOR do in the SkyPilot group; the code interpreter's
+    tool config reads CODE_EXECUTOR_URL (and the search's RETRIEVAL_SERVER_URL) from the environment.
+    `actor_rollout_ref.rollout.multi_turn.enable=false` turns the tools off."""
     if opts.trainer_cmd:
         return (*shlex.split(opts.trainer_cmd), *opts.overrides)
-    keys = [f"{s.url_key}={s.url}" for s in services]
-    if any(s.name == "retrieval-server" for s in services):
-        keys.append("actor_rollout_ref.rollout.multi_turn.enable=true")
+    keys = [f"{s.url_key}={s.url}" for s in services if s.url_key]
+    names = {s.name for s in services}
+    multi_turn = "actor_rollout_ref.rollout.multi_turn"
+    if "code-executor" in names:
+        config = "search_code_tool_config.yaml" if "retrieval-server" in names else "code_tool_config.yaml"
+        keys += [
+            f"{multi_turn}.enable=true",
+            f"{multi_turn}.tool_config_path={TOOL_CONFIGS / config}",
+            f"{multi_turn}.format=hermes",  # Search-R1's tags call the search tool alone
+        ]
+    elif "retrieval-server" in names:
+        keys.append(f"{multi_turn}.enable=true")
     return (sys.executable, "-m", "trainer.main_ppo", *keys, *opts.overrides)
 
 
@@ -521,16 +569,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--services",
-        help="Comma-separated subset of data,reward,retrieval (default: data,reward, "
-        "plus retrieval when an index or corpus is given).",
+        help="Comma-separated subset of data,reward,retrieval,code (default: data,reward, plus "
+        "retrieval when an index or corpus is given, plus code with USE_CODE_EXECUTOR=true).",
     )
-    for key, port in (("data", d.data_port), ("reward", d.reward_port), ("retrieval", d.retrieval_port)):
+    for key, kind in SERVICE_KINDS.items():
         parser.add_argument(
-            f"--{key}-port", type=int, default=port, help=f"{key}-server port (0: any free one)."
+            f"--{key}-port",
+            type=int,
+            default=getattr(d, f"{key}_port"),
+            help=f"{kind.name} port (0: any free one).",
         )
-        parser.add_argument(
-            f"--{key}-server-args", help=f"Extra {key}-server flags, one shell-quoted string."
-        )
+        parser.add_argument(f"--{kind.name}-args", help=f"Extra {kind.name} flags, one shell-quoted string.")
     parser.add_argument("--retrieval-index", type=Path, help="Index folder for the retrieval-server.")
     parser.add_argument(
         "--retrieval-corpus", type=Path, help="Corpus .jsonl to build an index from (under --run-dir)."
@@ -540,8 +589,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--trainer-cmd",
-        help="Run this command instead of python -m trainer.main_ppo (the "
-        "service URLs are in DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL).",
+        help="Run this command instead of python -m trainer.main_ppo (the service URLs are in "
+        "DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL, CODE_EXECUTOR_URL).",
     )
     parser.add_argument(
         "--health-timeout", type=float, default=d.health_timeout_s, help="Seconds per service."

@@ -166,7 +166,7 @@ def short_search_row(index: int) -> dict:
     }
 
 
-CHUNK = 16  # sequences per forward in teach_search_format
+CHUNK = 16  # sequences per forward in fine_tune
 
 
 def teach_search_format(
@@ -184,13 +184,9 @@ def teach_search_format(
     `<answer> 9 </answer>`, half and half. A random model never calls the tool; this one does, and its
     answers vary, so GRPO has a signal. Returns the last loss.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from trainer.model import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))  # the trainer's: it keeps the char tokenizer intact
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     pairs: list[tuple[list[int], list[int]]] = []  # (context ids, target ids)
 
     def encode(text: str) -> list[int]:
@@ -200,14 +196,35 @@ def teach_search_format(
         prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         pairs.append((encode(prompt), encode(SEARCH_TURN)))
         pairs.append((encode(prompt + SEARCH_TURN + TRUNCATED_INFORMATION), encode(ANSWERS[index % 2])))
-    width = max(len(c) + len(t) for c, t in pairs)
-    input_ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
-    labels = torch.full((len(pairs), width), -100)
-    attention = torch.zeros((len(pairs), width), dtype=torch.long)
-    for i, (context, target) in enumerate(pairs):
-        ids = context + target
+    sequences = [(context + target, [0] * len(context) + [1] * len(target)) for context, target in pairs]
+    return fine_tune(
+        model_dir, sequences, pad_id=tokenizer.pad_token_id, steps=steps, lr=lr, seed=seed, device=device
+    )
+
+
+def fine_tune(
+    model_dir: str | Path,
+    sequences: list[tuple[list[int], list[int]]],
+    *,
+    pad_id: int,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    device: str = "cpu",
+) -> float:
+    """Full-batch AdamW on (token ids, loss mask) sequences, the loss on the tokens the mask marks 1
+    (the model's own); the model in `model_dir` is overwritten. Returns the last loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id)
+    labels = torch.full((len(sequences), width), -100)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, (ids, mask) in enumerate(sequences):
         input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, len(context) : len(ids)] = torch.tensor(target)
+        labels[i, : len(ids)] = torch.where(torch.tensor(mask) == 1, torch.tensor(ids), -100)
         attention[i, : len(ids)] = 1
     input_ids, labels, attention = input_ids.to(device), labels.to(device), attention.to(device)
     torch.manual_seed(seed)
@@ -220,7 +237,7 @@ def teach_search_format(
     for _ in range(steps):
         optimizer.zero_grad()
         loss = torch.zeros(())
-        for s in range(0, len(pairs), CHUNK):
+        for s in range(0, len(sequences), CHUNK):
             part = slice(s, s + CHUNK)
             chunk = model(input_ids=input_ids[part], attention_mask=attention[part], labels=labels[part]).loss
             weighted = chunk * (targets[part].sum() / total)

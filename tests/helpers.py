@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -105,3 +106,30 @@ def small_data_server(train_size: int = 20, test_size: int = 5):
         "--synthetic-test-size",
         str(test_size),
     )
+
+
+# The code-executor's own start-up check, in a child: it makes its process a subreaper, which a test
+# process had better not become.
+_SANDBOX_PROBE = """
+import sys
+from services.code_executor.app import CodeExecutorSettings, make_executor
+from services.code_executor.sandbox import SandboxUnavailable
+try:
+    make_executor(CodeExecutorSettings(workers=1))
+except SandboxUnavailable as exc:
+    sys.exit(str(exc))
+"""
+
+
+@functools.cache
+def code_sandbox_missing() -> str | None:
+    """Why the code-executor cannot start on this host (no bubblewrap, no user namespaces), else None."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SANDBOX_PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no reason given"])[-1]

@@ -17,9 +17,14 @@
 #   USE_RETRIEVAL=false (a flag: true/false, 1/0, yes/no): true trains with the multi-turn search tool
 #     (jobgroup/tools/search_tool_config.yaml, RETRIEVAL_TOPK passages per query) against RETRIEVAL_SERVER_URL,
 #     TOOL_FORMAT=search_r1 (Search-R1's tags; hermes: <tool_call> JSON) and MAX_ASSISTANT_TURNS=4
+#   USE_CODE_EXECUTOR=false (a flag): true adds the code interpreter (code_interpreter, verl's
+#     SandboxFusionTool) on the code-executor at CODE_EXECUTOR_URL: jobgroup/tools/code_tool_config.yaml, or
+#     search_code_tool_config.yaml with USE_RETRIEVAL too; TOOL_FORMAT then defaults to hermes (Search-R1's
+#     tags call the search tool alone)
 #   VAL_BEFORE_TRAIN=true (a flag): validate once before the first step
 #   NNODES / GPUS_PER_NODE (default from SKYPILOT_NUM_NODES / SKYPILOT_NUM_GPUS_PER_NODE, else 1)
-#   DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL: the services (comma-separated replicas)
+#   DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL, CODE_EXECUTOR_URL: the services
+#     (comma-separated replicas; the tool configs read RETRIEVAL_SERVER_URL and CODE_EXECUTOR_URL themselves)
 #   WANDB_API_KEY: when set, metrics also go to Weights & Biases
 #   DRY_RUN=true prints the command instead of running it.
 #
@@ -72,11 +77,12 @@ flag() {  # flag NAME: true/false from the environment; a word that is neither s
 }
 use_retrieval=0
 flag USE_RETRIEVAL && use_retrieval=1
+use_code_executor=0
+flag USE_CODE_EXECUTOR && use_code_executor=1
 dry_run=0
 flag DRY_RUN && dry_run=1
 val_before_train=True
 if [ -n "${VAL_BEFORE_TRAIN:-}" ] && ! flag VAL_BEFORE_TRAIN; then val_before_train=False; fi
-TOOL_FORMAT=${TOOL_FORMAT:-search_r1}
 MAX_ASSISTANT_TURNS=${MAX_ASSISTANT_TURNS:-4}
 
 logger="['console']"
@@ -117,18 +123,32 @@ args=(
 # Quoted: Hydra reads an unquoted a,b as a sweep; the trainer splits the quoted list into replicas.
 [ -n "${DATA_SERVER_URL:-}" ] && args+=("services.data_url='$DATA_SERVER_URL'")
 [ -n "${REWARD_SERVER_URL:-}" ] && args+=("services.reward_url='$REWARD_SERVER_URL'")
+# The tools: search (USE_RETRIEVAL), the code interpreter (USE_CODE_EXECUTOR) or both. With any, the
+# rollouts are multi-turn: each trajectory calls its tools as it generates (trainer/agent/).
+tool_config='' default_format=hermes
 if [ $use_retrieval = 1 ]; then
   if [ -z "${RETRIEVAL_SERVER_URL:-}" ]; then
     echo "error: USE_RETRIEVAL is on but RETRIEVAL_SERVER_URL is not set" >&2
     exit 2
   fi
-  # The search tool's endpoint and config (it reads RETRIEVAL_SERVER_URL and RETRIEVAL_TOPK itself);
-  # the rollouts are multi-turn: each trajectory searches as it generates (trainer/agent/).
+  # the search tool's endpoint and config (it reads RETRIEVAL_SERVER_URL and RETRIEVAL_TOPK itself)
+  args+=("services.retrieval_url='$RETRIEVAL_SERVER_URL'")
+  tool_config=jobgroup/tools/search_tool_config.yaml default_format=search_r1
+fi
+if [ $use_code_executor = 1 ]; then
+  if [ -z "${CODE_EXECUTOR_URL:-}" ]; then
+    echo "error: USE_CODE_EXECUTOR is on but CODE_EXECUTOR_URL is not set" >&2
+    exit 2
+  fi
+  # the code tool reads CODE_EXECUTOR_URL itself; Search-R1's tags call the search tool alone: hermes
+  tool_config=jobgroup/tools/code_tool_config.yaml default_format=hermes
+  [ $use_retrieval = 1 ] && tool_config=jobgroup/tools/search_code_tool_config.yaml
+fi
+if [ -n "$tool_config" ]; then
   args+=(
-    "services.retrieval_url='$RETRIEVAL_SERVER_URL'"
     actor_rollout_ref.rollout.multi_turn.enable=True
-    actor_rollout_ref.rollout.multi_turn.tool_config_path=jobgroup/tools/search_tool_config.yaml
-    "actor_rollout_ref.rollout.multi_turn.format=$TOOL_FORMAT"
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path=$tool_config"
+    "actor_rollout_ref.rollout.multi_turn.format=${TOOL_FORMAT:-$default_format}"
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=$MAX_ASSISTANT_TURNS"
   )
 fi

@@ -92,16 +92,52 @@ def test_port_agrees_across_command_mapping_and_healthcheck(name):
 
 def test_trainer_urls_match_services_ports_and_wait_for_health():
     trainer = SERVICES[TRAINER]
-    urls = {k: v for k, v in trainer["environment"].items() if k.endswith("_SERVER_URL")}
-    assert set(urls) == {"DATA_SERVER_URL", "REWARD_SERVER_URL", "RETRIEVAL_SERVER_URL"}
+    urls = {k: v for k, v in trainer["environment"].items() if k.endswith("_URL")}
+    assert set(urls) == {"DATA_SERVER_URL", "REWARD_SERVER_URL", "RETRIEVAL_SERVER_URL", "CODE_EXECUTOR_URL"}
     for var, url in urls.items():
         host, port = URL.match(url).groups()
         assert var == host.upper().replace("-", "_") + "_URL"  # DATA_SERVER_URL -> data-server
         assert host in SERVICES and int(port) == container_port(host), url
-        assert trainer["depends_on"][host] == {"condition": "service_healthy"}
+        optional = "profiles" in SERVICES[host]  # waited for when its profile is on, else left out
+        expected = {"condition": "service_healthy", **({"required": False} if optional else {})}
+        assert trainer["depends_on"][host] == expected
         assert "healthcheck" in SERVICES[host]
-    always_up = {name for name, service in SERVICES.items() if "profiles" not in service}
-    assert set(trainer["depends_on"]) == always_up - {TRAINER}
+    assert set(trainer["depends_on"]) == set(SERVICES) - {TRAINER}
+
+
+@pytest.mark.parametrize("flag", ["false", "true"])
+def test_use_code_executor_wires_the_code_executor_to_the_reward_server_and_the_trainer(flag):
+    """USE_CODE_EXECUTOR (with `--profile code`): the reward-server's command gets --code-executor-url
+    and the trainer's train.sh the code tool, both at the code-executor's service name and port."""
+    reward = SERVICES["reward-server"]
+    env = {k: with_defaults(v) for k, v in reward["environment"].items()}
+    done = subprocess.run(
+        command_text(reward).split(),
+        cwd=ROOT,
+        env={"PATH": os.environ["PATH"], **env, "USE_CODE_EXECUTOR": flag, "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.split()
+    assert argv[2:5] == ["services.reward_server", "--port", str(container_port("reward-server"))]
+    trainer_env = {k: with_defaults(v) for k, v in SERVICES[TRAINER]["environment"].items()}
+    keys = dict(a.split("=", 1) for a in train_sh_argv({**trainer_env, "USE_CODE_EXECUTOR": flag})[3:])
+    tool_config = keys.get("actor_rollout_ref.rollout.multi_turn.tool_config_path")
+    if flag == "true":
+        url = argv[argv.index("--code-executor-url") + 1]
+        assert (
+            url
+            == trainer_env["CODE_EXECUTOR_URL"]
+            == f"http://code-executor:{container_port('code-executor')}"
+        )
+        assert tool_config == "jobgroup/tools/code_tool_config.yaml"  # reads CODE_EXECUTOR_URL itself
+        assert keys["actor_rollout_ref.rollout.multi_turn.format"] == "hermes"
+        trainer_dry_run(list(f"{k}={v}" for k, v in keys.items()))
+    else:
+        assert "--code-executor-url" not in argv and tool_config is None
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))

@@ -32,6 +32,7 @@ URL_VARS = {
     "DATA_SERVER_URL": "data-server",
     "REWARD_SERVER_URL": "reward-server",
     "RETRIEVAL_SERVER_URL": "retrieval-server",
+    "CODE_EXECUTOR_URL": "code-executor",
 }
 # Modules other engineers are still building: a missing one skips its check instead of failing it.
 PENDING_MODULES = {"services.reward_server", "trainer.main_ppo"}
@@ -123,13 +124,21 @@ def served_port(run: str) -> int:
     return int(match.group(1))
 
 
-def exported_urls(run: str, group: str) -> dict[str, str]:
-    """Run the `group=` / `export *_URL=` lines of a run section in bash and read back the URLs."""
-    lines = [line for line in run.splitlines() if re.match(r"\s*(group=|export \w+_URL=)", line)]
-    script = "\n".join(lines) + "\nenv | grep '_URL=' || true\n"
+_URL_LINE = re.compile(
+    r"\s*(group=|export \w+_URL=|use_\w+=\$\(bash jobgroup/scripts/flag\.sh |if .*; then export \w+_URL=)"
+)
+
+
+def exported_urls(run: str, group: str, envs: dict | None = None) -> dict[str, str]:
+    """Run the lines of a run section that export the *_URL variables (those set only under a flag,
+    such as CODE_EXECUTOR_URL, with the flag read from `envs`) in bash and read back the URLs."""
+    lines = [line for line in run.splitlines() if _URL_LINE.match(line)]
+    script = "set -eu\n" + "\n".join(lines) + "\nenv | grep '_URL=' || true\n"
+    flags = {k: str(v) for k, v in (envs or {}).items() if k.startswith("USE_")}
     result = subprocess.run(
         ["bash", "-c", script],
-        env={"PATH": os.environ["PATH"], "SKYPILOT_JOBGROUP_NAME": group},
+        cwd=ROOT,
+        env={"PATH": os.environ["PATH"], "SKYPILOT_JOBGROUP_NAME": group, **flags},
         capture_output=True,
         text=True,
         check=True,
@@ -177,15 +186,19 @@ def test_job_group_header_and_tasks(name):
     for task_name in tasks:  # hostnames are {task}-{i}.{group}: DNS labels
         assert DNS_LABEL.match(task_name), task_name
     assert ("retrieval-server" in tasks) == (name == "verl-grpo.yaml")
+    assert ("code-executor" in tasks) == (name == "verl-grpo.yaml")
 
 
 @pytest.mark.parametrize("name", GROUP_YAMLS)
-def test_trainer_urls_name_real_tasks_ports_and_every_replica(name):
-    tasks = tasks_by_name(load(name))
+@pytest.mark.parametrize("use_code_executor", ["false", "true"])
+def test_trainer_urls_name_real_tasks_ports_and_every_replica(name, use_code_executor):
+    tasks = tasks_by_name(load(name, env={"USE_CODE_EXECUTOR": use_code_executor}))
     run = tasks[TRAINER].run
     assert "group=$SKYPILOT_JOBGROUP_NAME" in run
-    urls = exported_urls(run, group="g1")
+    urls = exported_urls(run, group="g1", envs=tasks[TRAINER].envs)
     services = {n: t for n, t in tasks.items() if n != TRAINER}
+    if use_code_executor == "false":  # the code-executor serves nothing: the trainer gets no URL for it
+        services.pop("code-executor", None)
     assert {URL_VARS[var] for var in urls} == set(services), urls  # one URL variable per service, no more
     for var, value in urls.items():
         service = URL_VARS[var]
@@ -215,22 +228,112 @@ def waited_services(run: str, envs: dict) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", GROUP_YAMLS)
 @pytest.mark.parametrize("use_retrieval", ["false", "true"])
-def test_trainer_waits_only_for_the_services_it_calls(name, use_retrieval):
-    tasks = tasks_by_name(load(name, env={"USE_RETRIEVAL": use_retrieval}))
+@pytest.mark.parametrize("use_code_executor", ["false", "true"])
+def test_trainer_waits_only_for_the_services_it_calls(name, use_retrieval, use_code_executor):
+    flags = {"USE_RETRIEVAL": use_retrieval, "USE_CODE_EXECUTOR": use_code_executor}
+    tasks = tasks_by_name(load(name, env=flags))
     run = join_continuations(tasks[TRAINER].run)
-    envs = {**tasks[TRAINER].envs, **exported_urls(run, group="g5")}
+    envs = {**tasks[TRAINER].envs, **exported_urls(run, group="g5", envs=tasks[TRAINER].envs)}
     done = waited_services(run, envs)
     assert done.returncode == 0, done.stderr
     waited = dict(arg.split("=", 1) for arg in done.stdout.split())
     expected = {"data-server", "reward-server"}
     if use_retrieval == "true" and "retrieval-server" in tasks:  # retrieval only when the run uses it
         expected.add("retrieval-server")
+    if use_code_executor == "true" and "code-executor" in tasks:  # the same for the code-executor
+        expected.add("code-executor")
     assert set(waited) == expected
     for service, urls in waited.items():  # each waits on every replica of that service
         assert urls == next(value for var, value in envs.items() if URL_VARS.get(var) == service)
     if name == "verl-grpo.yaml":
         bad = waited_services(run, {**envs, "USE_RETRIEVAL": "maybe"})
         assert bad.returncode == 2 and "USE_RETRIEVAL=maybe is not a flag" in bad.stderr
+
+
+# ---------------------------------------------------------------- the code-executor (USE_CODE_EXECUTOR)
+
+
+def run_section(
+    text: str, envs: dict, group: str = "g6", swap: dict | None = None
+) -> subprocess.CompletedProcess:
+    """A task's setup or run in bash as SkyPilot runs it, less the venv activation, with the commands
+    in `swap` replaced (say, a server by `echo`)."""
+    script = "\n".join(line for line in text.splitlines() if not line.strip().startswith("source "))
+    for old, new in (swap or {}).items():
+        script = script.replace(old, new)
+    env = {
+        "PATH": os.environ["PATH"],
+        "SKYPILOT_JOBGROUP_NAME": group,
+        **{k: str(v) for k, v in envs.items()},
+    }
+    return subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("flag", ["false", "true"])
+def test_code_executor_task_installs_and_serves_only_when_asked(flag):
+    task = tasks_by_name(load("verl-grpo.yaml", env={"USE_CODE_EXECUTOR": flag}))["code-executor"]
+    swap = {
+        "bash jobgroup/scripts/setup_venv.sh": "echo INSTALL",
+        "python -m services.code_executor": "echo SERVE",
+    }
+    setup, run = run_section(task.setup, task.envs, swap=swap), run_section(task.run, task.envs, swap=swap)
+    assert setup.returncode == 0 and run.returncode == 0, setup.stderr + run.stderr
+    if flag == "true":
+        assert setup.stdout.split() == ["INSTALL", "services"]  # bubblewrap comes with the services extra
+        assert run.stdout.split() == ["SERVE", "--port", "8003"]
+    else:  # nothing installed or served: the task ends at once (an auxiliary task: the group goes on)
+        assert "INSTALL" not in setup.stdout and "SERVE" not in run.stdout
+        assert "USE_CODE_EXECUTOR is off" in run.stdout
+    bad = run_section(task.run, {**task.envs, "USE_CODE_EXECUTOR": "maybe"}, swap=swap)
+    assert bad.returncode == 2 and "USE_CODE_EXECUTOR=maybe is not a flag" in bad.stderr
+
+
+@pytest.mark.parametrize("flag", ["false", "true"])
+def test_reward_server_scores_code_on_the_code_executor_only_when_asked(flag):
+    tasks = tasks_by_name(load("verl-grpo.yaml", env={"USE_CODE_EXECUTOR": flag}))
+    done = run_section(tasks["reward-server"].run, {**tasks["reward-server"].envs, "DRY_RUN": "1"})
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.split()
+    assert argv[:5] == ["python", "-m", "services.reward_server", "--port", "8001"]
+    flags = tuple(arg for arg in argv if arg.startswith("--"))
+    check_module_call(ModuleCall("services.reward_server", None, flags, "verl-grpo.yaml/reward-server"))
+    urls = exported_urls(tasks[TRAINER].run, group="g6", envs=tasks[TRAINER].envs)
+    if flag == "true":  # the address the trainer's code tool calls: the code-executor task, on its port
+        expected = f"http://code-executor-0.g6:{served_port(tasks['code-executor'].run)}"
+        assert argv[argv.index("--code-executor-url") + 1] == urls["CODE_EXECUTOR_URL"] == expected
+    else:
+        assert "--code-executor-url" not in argv and "CODE_EXECUTOR_URL" not in urls
+
+
+def test_train_sh_with_the_code_executor_trains_with_its_tool(monkeypatch):
+    trainer = tasks_by_name(load("verl-grpo.yaml", env={"USE_CODE_EXECUTOR": "yes"}))[TRAINER]
+    urls = exported_urls(trainer.run, group="g7", envs=trainer.envs)
+    argv = train_sh_argv({**trainer.envs, **urls})
+    keys = dict(a.split("=", 1) for a in argv[3:])
+    key = "actor_rollout_ref.rollout.multi_turn"
+    assert keys[f"{key}.enable"] == "True"
+    assert keys[f"{key}.format"] == "hermes"  # Search-R1's tags call the search tool alone
+    assert (
+        keys[f"{key}.tool_config_path"] == "jobgroup/tools/search_code_tool_config.yaml"
+    )  # with USE_RETRIEVAL
+    # the file takes its URLs from the trainer's env: each tool calls its service by its job-group name
+    from trainer.agent.tools import load_tool_config
+
+    for var in ("RETRIEVAL_SERVER_URL", "CODE_EXECUTOR_URL"):
+        monkeypatch.setenv(var, urls[var])
+    search, code = load_tool_config(ROOT / keys[f"{key}.tool_config_path"]).tools
+    assert (search.name, code.name) == ("search", "code_interpreter")
+    assert search.urls == ("http://retrieval-server-0.g7:8002", "http://retrieval-server-1.g7:8002")
+    assert code.urls == ("http://code-executor-0.g7:8003",)
+    trainer_dry_run(argv[3:])
+    # the code tool alone, on a dataset without retrieval
+    alone = train_sh_argv({**trainer.envs, **urls, "USE_RETRIEVAL": "false", "DATASET": "gsm8k"})
+    keys = dict(a.split("=", 1) for a in alone[3:])
+    assert keys[f"{key}.tool_config_path"] == "jobgroup/tools/code_tool_config.yaml"
+    assert keys[f"{key}.format"] == "hermes" and "services.retrieval_url" not in keys
+    trainer_dry_run(alone[3:])
 
 
 @pytest.mark.parametrize("name", GROUP_YAMLS)
@@ -355,16 +458,19 @@ def test_train_sh_math_variant_has_no_retrieval_and_console_only_without_secret(
     assert "trainer.total_training_steps" in keys
 
 
-def test_train_sh_refuses_retrieval_without_a_url():
+@pytest.mark.parametrize(
+    "flag, url", [("USE_RETRIEVAL", "RETRIEVAL_SERVER_URL"), ("USE_CODE_EXECUTOR", "CODE_EXECUTOR_URL")]
+)
+def test_train_sh_refuses_a_tool_without_a_url(flag, url):
     result = subprocess.run(
         ["bash", str(SCRIPTS / "train.sh")],
-        env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "USE_RETRIEVAL": "1"},
+        env={"PATH": os.environ["PATH"], "DRY_RUN": "1", flag: "1"},
         check=False,
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert result.returncode == 2 and "RETRIEVAL_SERVER_URL" in result.stderr
+    assert result.returncode == 2 and f"{flag} is on but {url} is not set" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -320,3 +320,83 @@ def test_use_retrieval_that_cannot_be_met_or_read_is_refused(tmp_path, monkeypat
         check=False,
     )
     assert done.returncode == 1 and "USE_RETRIEVAL=maybe is not a flag" in done.stdout
+
+
+# ------------------------------------------------------------------------------ the code-executor
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [(None, ["data", "reward"]), ("false", ["data", "reward"]), ("0", ["data", "reward"]),
+     ("true", ["data", "reward", "code"]), ("Yes", ["data", "reward", "code"])],
+)  # fmt: skip
+def test_use_code_executor_is_read_as_a_flag_and_off_when_unset(monkeypatch, flag, expected):
+    from jobgroup import local
+
+    monkeypatch.delenv("USE_RETRIEVAL", raising=False)
+    monkeypatch.delenv("USE_CODE_EXECUTOR", raising=False)
+    if flag is not None:
+        monkeypatch.setenv("USE_CODE_EXECUTOR", flag)
+    assert local.chosen_services(local.parse_args(["up"])) == expected
+    monkeypatch.setenv("USE_CODE_EXECUTOR", "maybe")
+    with pytest.raises(local.GroupFailure, match="USE_CODE_EXECUTOR=maybe is not a flag"):
+        local.chosen_services(local.parse_args(["up"]))
+
+
+@pytest.mark.parametrize("with_search", [False, True])
+def test_the_code_executor_url_reaches_the_reward_server_and_the_trainer(tmp_path, monkeypatch, with_search):
+    from jobgroup import local
+
+    monkeypatch.setenv("USE_CODE_EXECUTOR", "true")
+    monkeypatch.delenv("USE_RETRIEVAL", raising=False)
+    ports = ["--data-port", "0", "--reward-port", "0", "--retrieval-port", "0", "--code-port", "0"]
+    search = ["--retrieval-index", str(tmp_path)] if with_search else []
+    opts = local.parse_args(["run", *ports, *search, "trainer.total_training_steps=2"])
+    services = {spec.name: spec for spec in local.plan_services(opts)}
+    code = services["code-executor"]
+    assert code.argv[2] == "services.code_executor" and code.url == f"http://127.0.0.1:{code.port}"
+    reward = list(services["reward-server"].argv)
+    assert reward[reward.index("--code-executor-url") + 1] == code.url  # code rows scored there
+    assert local.child_env(list(services.values()))["CODE_EXECUTOR_URL"] == code.url  # the tool config's
+    argv = local.trainer_argv(opts, list(services.values()))
+    keys = dict(arg.split("=", 1) for arg in argv[3:])
+    tools = "search_code_tool_config.yaml" if with_search else "code_tool_config.yaml"
+    multi_turn = "actor_rollout_ref.rollout.multi_turn"
+    assert keys[f"{multi_turn}.tool_config_path"] == str(ROOT / "jobgroup" / "tools" / tools)
+    assert keys[f"{multi_turn}.enable"] == "true" and keys[f"{multi_turn}.format"] == "hermes"
+    assert ("services.retrieval_url" in keys) == with_search
+    assert argv[-1] == "trainer.total_training_steps=2"  # the user's keys come last and win
+
+
+# The stand-in trainer runs a program on the code-executor and has the reward-server score a code row
+# (its test case runs on the code-executor too), then exits 0.
+CODE_TRAINER = """
+import os, sys, httpx
+ran = httpx.post(os.environ["CODE_EXECUTOR_URL"] + "/run_code", json={"code": "print(6 * 7)"}, timeout=60)
+row = {"data_source": "codecontests", "response": "```python\\nprint(int(input()) * 2)\\n```",
+       "ground_truth": {"inputs": ["3\\n"], "outputs": ["6\\n"]}}
+scored = httpx.post(os.environ["REWARD_SERVER_URL"] + "/v1/rewards", json={"items": [row]}, timeout=60)
+print("trainer saw", ran.json()["run_result"]["stdout"].strip(), scored.json()["results"][0], flush=True)
+"""
+
+
+def test_run_with_the_code_executor_wires_it_to_the_reward_server_and_the_trainer(tmp_path, cleanup):
+    from tests.helpers import code_sandbox_missing
+
+    if code_sandbox_missing():
+        pytest.skip(f"the code-executor cannot start here: {code_sandbox_missing()}")
+    script = tmp_path / "trainer.py"
+    script.write_text(CODE_TRAINER)
+    argv = launcher_argv(
+        "run", tmp_path / "run", ["data", "reward", "code"], "--code-port", "0",
+        "--code-executor-args", "--workers 1", "--trainer-cmd", f"{sys.executable} {script}",
+    )  # fmt: skip
+    launcher = Launcher(argv, tmp_path / "launcher.log")
+    cleanup(launcher)
+    assert launcher.exit_code(timeout_s=180) == 0, launcher.text()[-4000:]
+    log = launcher.text()
+    assert re.search(r"^\[launcher\] code-executor healthy at http://127\.0\.0\.1:\d+$", log, re.MULTILINE)
+    assert re.search(r"^\[launcher\] starting reward-server: .* --code-executor-url http://127", log, re.M)
+    seen = re.search(r"^\[trainer\] trainer saw 42 (.*)$", log, re.MULTILINE)
+    assert seen, log[-3000:]
+    assert "'score': 1.0" in seen.group(1) and "'correct': True" in seen.group(1)
