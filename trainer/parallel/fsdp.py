@@ -25,6 +25,7 @@ tensors in one process (for exporting to Hugging Face) without any process group
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.parallel.distributed import DataParallel
 
 log = logging.getLogger(__name__)
+
+# FSDP2 warns at every forward whose root returns a view (transformers' last_hidden_state[0] does): an
+# in-place op on it would skip the root's pre-backward hook. Our passes only read the hidden states
+# (index_select, gather), and the root keeps its parameters gathered after forward (reshard_after_forward
+# False below), so the warning is noise that looks like a bug to whoever reads the log.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 @dataclass(frozen=True, kw_only=True)
