@@ -40,6 +40,10 @@ class CompiledOrEager:
     dynamic: torch.compile's. True makes every dimension symbolic from the first call; None ("automatic")
     compiles the first shapes statically and makes symbolic only the dimensions seen to change, so a
     dimension that never changes (the vocabulary) stays a constant the kernels are tuned for.
+    dynamic_rows: make the first dimension of every tensor argument symbolic from the first call (with
+    dynamic=None the rest stay static). Without it, the first call that brings a new row count (a packed
+    batch's last, shorter chunk) compiles a second time, and when that is in the middle of training it
+    costs a step seconds (a step-2 recompile was most of issue 24's "regression" on an H100).
     """
 
     def __init__(
@@ -49,8 +53,10 @@ class CompiledOrEager:
         enabled: bool = True,
         backend: str | Callable = "inductor",
         dynamic: bool | None = True,
+        dynamic_rows: bool = False,
     ) -> None:
         self.fn, self.enabled, self.backend, self.dynamic = fn, enabled, backend, dynamic
+        self.dynamic_rows = dynamic_rows
         self._compiled: Callable | None = None
 
     def __call__(self, *args, **kwargs):
@@ -58,6 +64,10 @@ class CompiledOrEager:
             return self.fn(*args, **kwargs)
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, dynamic=self.dynamic, backend=self.backend)
+        if self.dynamic_rows:
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
         try:
             return self._compiled(*args, **kwargs)
         except torch.OutOfMemoryError:

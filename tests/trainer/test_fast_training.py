@@ -129,6 +129,33 @@ def test_chunk_math_compiles_to_the_same_numbers():
     torch.testing.assert_close(chunk_logits_grad(*args), z.grad, atol=1e-6, rtol=1e-5)
 
 
+def test_the_head_compiles_once_for_every_chunk_row_count():
+    """A packed batch's last chunk is shorter: with the row count symbolic from the first call, it runs the
+    graph already compiled (issue 24: that second compile landed in a measured step); the vocabulary, the
+    reduced dimension, stays a constant."""
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append([x for x in example_inputs if isinstance(x, torch.SymInt)])
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    stats = CompiledOrEager(chunk_stats, backend=counting, dynamic=None, dynamic_rows=True)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (8, 8, 5, 3):
+        logits, targets = torch.randn(rows, 50, generator=gen), torch.randint(0, 50, (rows,), generator=gen)
+        for a, b in zip(stats(logits, targets, 0.7), chunk_stats(logits, targets, 0.7)):
+            torch.testing.assert_close(a, b)
+    assert len(graphs) == 1, graphs
+    assert len(graphs[0]) == 1  # one symbolic size, the rows: the vocabulary stays static
+    static = CompiledOrEager(chunk_stats, backend=counting, dynamic=None)  # what it was: compiles twice
+    torch._dynamo.reset()
+    graphs.clear()
+    for rows in (8, 5):
+        static(torch.randn(rows, 50), torch.randint(0, 50, (rows,)), 0.7)
+    assert len(graphs) == 2
+
+
 def broken_backend(graph_module, example_inputs):
     raise RuntimeError("this compiler cannot compile anything")
 

@@ -160,10 +160,9 @@ class RankActor:
     """The Ray actor of one rank: its device, its process group and the rank object built there.
 
     Plumbing only: what a rank does is the rank object's (trainer/parallel/ranks.py); `call` forwards.
-    `call` runs one at a time on the actor's one default thread, as in a plain actor (an async actor's
-    loop thread made the training passes ~1.5x slower on an H200); `replica` calls, the rollout
-    manager's requests, run concurrently in their own concurrency group, each awaiting the rank's engine
-    on an event loop of the rank's own.
+    `call` runs one at a time on the actor's one default thread (a thread Ray made, not the main one: the
+    same speed, bench/thread_probe.py); `replica` calls, the rollout manager's requests, run concurrently
+    in their own concurrency group, each awaiting the rank's engine on an event loop of the rank's own.
     """
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool, seed: int) -> None:

@@ -95,10 +95,10 @@ def chunk_logits_grad(
     return (grad_z / temperature).to(logits.dtype)
 
 
-# dynamic=None: the vocabulary (the reduced dimension) stays a compile-time constant, only the row count
-# of the last, shorter chunk becomes symbolic
-_STATS = CompiledOrEager(chunk_stats, dynamic=None)
-_LOGITS_GRAD = CompiledOrEager(chunk_logits_grad, dynamic=None)
+# the vocabulary (the reduced dimension) stays a compile-time constant; the row count is symbolic from the
+# first call, as the last chunk of a batch is shorter
+_STATS = CompiledOrEager(chunk_stats, dynamic=None, dynamic_rows=True)
+_LOGITS_GRAD = CompiledOrEager(chunk_logits_grad, dynamic=None, dynamic_rows=True)
 
 
 def add_weight_grad(grad_weight: Tensor, grad_logits: Tensor, hidden: Tensor) -> Tensor:
