@@ -62,7 +62,8 @@ from trainer.build import (
     close_run,
     seed_everything,
 )
-from trainer.parallel.groups import MEMORY_METRICS, WorkerGroupError
+from trainer.parallel.groups import MEMORY_METRICS
+from trainer.parallel.placement import WorkerGroupError
 from trainer.rewards import Scores, check_reward_errors, reward_items, score_rollouts
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.metrics import rollout_logprob_gap

@@ -25,7 +25,8 @@ from trainer.model import load_policy
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.workers.policy import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, TokenBudget, UpdateSettings, token_budget_bounds
-from trainer.parallel.groups import PolicyGroup, RayRanks, ResourcePool, connect_ray
+from trainer.parallel.groups import PolicyGroup
+from trainer.parallel.placement import RayRanks, ResourcePool, connect_ray
 from trainer.parallel.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
 
 ray = pytest.importorskip("ray")

@@ -1,7 +1,7 @@
 """ReplicaPool: route each generate request to the least-loaded live replica; retry a dead one's elsewhere.
 
 A replica is anything with the SGLang-API calls of HttpReplica (a server, SGLang or built-in),
-LocalReplica (the engine in this process) or a policy rank's engine (trainer/parallel/groups.py's
+LocalReplica (the engine in this process) or a policy rank's engine (trainer/parallel/placement.py's
 RankReplica); the pool does not care which. Load is the number of sequences (prompts x n) the pool has
 in flight on a replica. With a capacity (the pool's, or the replica's own `capacity`: its KV slots), a
 request waits until some replica has room, so a fast replica pulls more work than a slow one instead of

@@ -1,0 +1,401 @@
+"""Where ranks live: the Ray cluster, one bundle per GPU, a rank's actor, and what a lost rank says.
+
+A role's ranks are `LocalRanks` (one rank in this process: a CPU run or one GPU) or `RayRanks` (one
+`RankActor` per bundle of a `ResourcePool`); both hold the same rank objects (trainer/parallel/ranks.py)
+and answer `call_all`, so the role groups above them (trainer/parallel/groups.py) never branch on it.
+`RankReplica` is a Ray policy rank's engine as a replica of the driver's rollout manager.
+
+Placement: `ResourcePool` reserves one bundle per GPU, as one placement group per node packed onto
+that node, so ranks 0..k-1 share node 0, and so on. Roles are colocated by default: every role's
+rank r takes a fraction of bundle r (the policy, its rollout engine, the reference and the critic
+share each GPU, as verl's hybrid engine does); giving roles separate pools puts them on separate GPUs.
+
+Failure: a Ray rank that dies or raises leaves its peers blocked in a collective. The ranks are waited
+for one at a time and the first failure stops them: the whole role is killed (so nothing hangs) and
+`WorkerGroupError` names the role, the rank and the call; the loop adds the last checkpoint. Across
+nodes the message also names the rank's node by IP and hostname, and says when that node left the Ray
+cluster (`rank_failure`): a lost node is what a multi-node user needs to see first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.parallel.distributed import NCCL_ENV, free_port, init_data_parallel, local_data_parallel
+from trainer.profiling import profiler_activities, write_profile
+
+PLACEMENT_TIMEOUT_S = 300.0
+REPLICA_CALLS = "replica"  # the rank actors' concurrency group for the rollout manager's requests
+MAX_REPLICA_CALLS = 512  # requests a rank's engine may have in flight at once (threads in that group)
+# After a rank raised an ordinary error, how long to wait for a peer whose process or node went away
+# (a lost node makes its peers' collectives fail too, often first): that peer is the cause to report.
+ROOT_CAUSE_WAIT_S = 5.0
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank of a role group died or failed; the group has been shut down."""
+
+
+# ------------------------------------------------------------------------------ the Ray cluster
+
+
+def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> str:
+    """Join the Ray cluster at `address` (or $RAY_ADDRESS, or one started by `ray start` on this node),
+    or start a local one when there is none. Returns how it connected, for the log.
+
+    address "local" always starts a fresh local cluster (tests); `num_cpus` sizes it.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return "already connected"
+    address = address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": {**NCCL_ENV, **_python_path()}}
+    if address is None:
+        try:  # a cluster started with `ray start` on this node (the job group's trainer task)
+            ray.init(address="auto", runtime_env=runtime_env, log_to_driver=True)
+            return "joined the Ray cluster running on this node"
+        except ConnectionError:
+            address = "local"
+    if address == "local":
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            object_store_memory=_local_object_store_bytes(),
+        )
+        return "started a local Ray cluster"
+    ray.init(address=address, runtime_env=runtime_env)
+    return f"joined the Ray cluster at {address}"
+
+
+def _python_path() -> dict[str, str]:
+    # Workers of a local cluster must import this checkout even when it is not installed.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def _local_object_store_bytes() -> int:
+    # Batches are token ids and [B, T] tensors: a small store starts faster and leaves memory to torch.
+    return int(os.environ.get("TRAINER_RAY_OBJECT_STORE_BYTES", 512 * 2**20))
+
+
+@dataclass(frozen=True)
+class Slot:
+    placement_group: Any
+    bundle_index: int
+
+
+class ResourcePool:
+    """`nnodes` x `per_node` bundles of one GPU (or one CPU, without GPUs), a placement group per node.
+
+    Waits up to `timeout_s` for the cluster to have room and says what is missing when it does not.
+    """
+
+    def __init__(self, nnodes: int, per_node: int, *, use_gpu: bool, timeout_s: float = PLACEMENT_TIMEOUT_S):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        self.use_gpu = use_gpu
+        self.groups = [placement_group([bundle] * per_node, strategy="STRICT_PACK") for _ in range(nnodes)]
+        ready, _ = ray.wait([group.ready() for group in self.groups], num_returns=nnodes, timeout=timeout_s)
+        if len(ready) < nnodes:
+            for group in self.groups:
+                ray.util.remove_placement_group(group)
+            device = "GPU" if use_gpu else "CPU"
+            raise WorkerGroupError(
+                f"the Ray cluster cannot place {nnodes} node(s) x {per_node} {device}(s) "
+                f"(trainer.nnodes x trainer.n_gpus_per_node) within {timeout_s:.0f} s; it has "
+                f"{_describe_resources(ray.cluster_resources())}"
+            )
+        self.slots = [Slot(group, index) for group in self.groups for index in range(per_node)]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    def release(self) -> None:
+        import ray
+
+        for group in self.groups:
+            ray.util.remove_placement_group(group)
+
+
+def _describe_resources(resources: dict) -> str:
+    nodes = sum(1 for key in resources if key.startswith("node:") and not key.startswith("node:__"))
+    return f"{nodes} node(s), {resources.get('GPU', 0):g} GPU(s), {resources.get('CPU', 0):g} CPU(s)"
+
+
+# ------------------------------------------------------------------------------ where ranks live
+
+
+class RankActor:
+    """The Ray actor of one rank: its device, its process group and the rank object built there.
+
+    Plumbing only: what a rank does is the rank object's (trainer/parallel/ranks.py); `call` forwards.
+    `call` runs one at a time on the actor's one default thread (a thread Ray made, not the main one: the
+    same speed, bench/thread_probe.py); `replica` calls, the rollout manager's requests, run concurrently
+    in their own concurrency group, each awaiting the rank's engine on an event loop of the rank's own.
+    """
+
+    def __init__(self, rank: int, world_size: int, use_gpu: bool, seed: int) -> None:
+        self.rank, self.world_size, self.use_gpu, self.seed = rank, world_size, use_gpu, seed
+        self.role = None
+        self.profiler = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_lock = threading.Lock()
+
+    def node_address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, build: Callable, master_addr: str, master_port: int) -> int:
+        device = (
+            torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
+        )  # Ray set CUDA_VISIBLE_DEVICES
+        dp = init_data_parallel(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            device=device,
+        )
+        torch.manual_seed(self.seed + self.rank)
+        self.role = build(dp, device)
+        return os.getpid()
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.role, method)(*args, **kwargs)
+
+    def replica(self, method: str, *args, **kwargs):
+        """A call of the rollout manager on this rank's engine replica (a coroutine method of it)."""
+        with self.loop_lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, name="replica", daemon=True).start()
+        call = getattr(self.role.replica, method)(*args, **kwargs)
+        return asyncio.run_coroutine_threadsafe(call, self.loop).result()
+
+    def start_profile(self) -> None:
+        """torch.profiler from now until stop_profile (trainer.profile_steps reaching into the ranks)."""
+        from torch.profiler import profile
+
+        self.profiler = profile(activities=profiler_activities())
+        self.profiler.__enter__()
+
+    def stop_profile(self, folder: str, name: str) -> None:
+        """Stop the profiler; write folder/<name>_rank<R>.txt and .json on this rank's node."""
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        write_profile(profiler, Path(folder), f"{name}_rank{self.rank}")
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayRanks:
+    """A role's ranks as Ray actors over a resource pool, one per bundle."""
+
+    remote = True
+
+    def __init__(self, pool: ResourcePool, build: Callable, *, role: str, share: float, seed: int) -> None:
+        """build(dp, device) -> the rank object, run in every rank's process. share: the fraction of each
+        bundle this role takes (1/k when k roles are colocated on the pool)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.role, self.world_size = role, pool.world_size
+        self.failure: str | None = None
+        self.rank_nodes: list[str] = []  # each rank's Ray node id, to name a lost node
+        remote = ray.remote(concurrency_groups={REPLICA_CALLS: MAX_REPLICA_CALLS})(RankActor)
+        self.actors = [
+            remote.options(
+                num_cpus=share,
+                num_gpus=share if pool.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index
+                ),
+                runtime_env={"env_vars": dict(NCCL_ENV)},
+            ).remote(rank, self.world_size, pool.use_gpu, seed)
+            for rank, slot in enumerate(pool.slots)
+        ]
+        master_addr, master_port = self._wait([self.actors[0].node_address.remote()], "start")[0]
+        self.pids = self._wait(
+            [actor.setup.remote(build, master_addr, master_port) for actor in self.actors], "setup"
+        )
+        self.rank_nodes = self.node_ids()
+
+    def call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
+        """Call `method` on every rank (rank r gets per_rank_args[r]); the results in rank order."""
+        if self.failure is not None:
+            raise WorkerGroupError(f"the {self.role} group was shut down after: {self.failure}")
+        per_rank_args = per_rank_args or [()] * self.world_size
+        refs = [actor.call.remote(method, *args, **kwargs) for actor, args in zip(self.actors, per_rank_args)]
+        return self._wait(refs, method)
+
+    def replicas(self) -> list[RankReplica]:
+        return [RankReplica(actor, f"{self.role} rank {rank}") for rank, actor in enumerate(self.actors)]
+
+    def start_profile(self) -> None:
+        self._wait([actor.start_profile.remote() for actor in self.actors], "start_profile")
+
+    def stop_profile(self, folder: str, name: str) -> None:
+        self._wait([actor.stop_profile.remote(folder, name) for actor in self.actors], "stop_profile")
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order."""
+        return self._wait([actor.node_id.remote() for actor in self.actors], "node_id")
+
+    def _wait(self, refs: list, what: str) -> list:
+        """ray.get that fails fast: the first rank to fail stops the group instead of leaving peers hung."""
+        import ray
+
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except Exception as exc:  # any failure of a rank ends the group
+                rank, reason = rank_failure(rank_of[ready[0]], exc, pending, rank_of, self.rank_nodes)
+                self.shutdown()
+                self.failure = f"{self.role} rank {rank} of {self.world_size} failed during {what}: {reason}"
+                raise WorkerGroupError(self.failure) from exc
+        return ray.get(refs)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+class LocalRanks:
+    """A role's one rank in this process (CPU runs, one GPU): the rank object a Ray actor would hold,
+    over a process group of one. Its failures propagate as they are; its profile is the driver's."""
+
+    remote = False
+    world_size = 1
+
+    def __init__(self, build: Callable, *, role: str, device: torch.device, seed: int) -> None:
+        self.role = role
+        torch.manual_seed(seed)  # as a Ray rank 0 seeds itself before it builds
+        self.rank = build(local_data_parallel(device), device)
+
+    def call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
+        args = per_rank_args[0] if per_rank_args else ()
+        return [getattr(self.rank, method)(*args, **kwargs)]
+
+    def replicas(self) -> list:
+        return [self.rank.replica]
+
+    def start_profile(self) -> None:
+        """Nothing to start: the driver's profiler sees this process."""
+
+    def stop_profile(self, folder: str, name: str) -> None:
+        """Nothing to write: the driver's profile holds this rank's work."""
+
+    def node_ids(self) -> list[str]:
+        return ["local"]
+
+    def shutdown(self) -> None:
+        close = getattr(self.rank, "close", None)
+        if close is not None:
+            close()
+
+
+Ranks = RayRanks | LocalRanks
+
+
+class RankReplica:
+    """A Ray policy rank's engine as a replica of the rollout manager: each call is an awaited call of
+    the rank actor's `replica` method (rollout/pool.py's Replica calls the trainer uses)."""
+
+    def __init__(self, actor, name: str) -> None:
+        self.actor, self.name = actor, name
+        self.capacity: int | None = None
+
+    async def rollouts(self, payload: dict, prompt_index: int):
+        return await self._call("rollouts", payload, prompt_index)
+
+    async def release_memory_occupation(self, tags=None) -> None:
+        await self._call("release_memory_occupation", tags)
+
+    async def resume_memory_occupation(self, tags=None) -> None:
+        await self._call("resume_memory_occupation", tags)
+
+    async def health(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        """The engine ends with its rank (the group's shutdown)."""
+
+    async def _call(self, method: str, *args):
+        from ray.exceptions import RayActorError
+
+        from trainer.rollout.client import ReplicaDown
+
+        try:
+            return await self.actor.replica.options(concurrency_group=REPLICA_CALLS).remote(method, *args)
+        except RayActorError as exc:
+            raise ReplicaDown(f"{self.name}: {_first_line(exc)}") from exc
+
+
+def rank_failure(
+    rank: int, exc: Exception, pending: list, rank_of: dict, rank_nodes: list[str]
+) -> tuple[int, str]:
+    """The rank to blame and one line saying why, naming its node when there are several.
+
+    A rank whose process or node went away (a Ray actor error) is the cause; a rank that raised an
+    ordinary error may only be the peer of one (gloo: "Connection closed by peer"), so the other ranks
+    get ROOT_CAUSE_WAIT_S to fail with an actor error first. How fast a vanished node is noticed is Ray's:
+    at once when its connections close, else after the GCS's health checks (start_ray.sh bounds them).
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if not isinstance(exc, RayActorError) and pending:
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=ROOT_CAUSE_WAIT_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as peer_exc:
+                rank, exc = rank_of[ref], peer_exc
+                break
+            except Exception:  # noqa: BLE001 - another ordinary error: the first one stays the cause
+                continue
+    reason = _first_line(exc).strip()  # Ray indents the cause of a node's death
+    if len(set(rank_nodes)) < 2:
+        return rank, reason
+    node = next((n for n in ray.nodes() if n["NodeID"] == rank_nodes[rank]), None)
+    if node is None:
+        return rank, reason
+    where = f"node {node['NodeManagerAddress']} ({node['NodeManagerHostname']})"
+    if not node["Alive"]:
+        return rank, f"its {where} left the Ray cluster: {reason}"
+    if isinstance(exc, ActorUnavailableError):  # its connections closed: the node or the network is gone
+        return rank, f"lost contact with {where}: {reason}"
+    if isinstance(exc, RayActorError):
+        return rank, f"its process died on {where}: {reason}"
+    return rank, f"on {where}: {reason}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    # RayTaskError prints the remote traceback first; its last line is the exception itself
+    return lines[-1] if lines else type(exc).__name__
