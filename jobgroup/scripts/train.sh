@@ -21,6 +21,8 @@
 #     SandboxFusionTool) on the code-executor at CODE_EXECUTOR_URL: jobgroup/tools/code_tool_config.yaml, or
 #     search_code_tool_config.yaml with USE_RETRIEVAL too; TOOL_FORMAT then defaults to hermes (Search-R1's
 #     tags call the search tool alone)
+#   MAX_TOOL_RESPONSE_LENGTH, TOOL_RESPONSE_TRUNCATE_SIDE (left, right or middle): the tokens of one tool
+#     response kept, and which part (unset: the config's 256, middle)
 #   VAL_BEFORE_TRAIN=true (a flag): validate once before the first step
 #   NNODES / GPUS_PER_NODE (default from SKYPILOT_NUM_NODES / SKYPILOT_NUM_GPUS_PER_NODE, else 1)
 #   DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL, CODE_EXECUTOR_URL: the services
@@ -151,6 +153,10 @@ if [ -n "$tool_config" ]; then
     "actor_rollout_ref.rollout.multi_turn.format=${TOOL_FORMAT:-$default_format}"
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=$MAX_ASSISTANT_TURNS"
   )
+  [ -n "${MAX_TOOL_RESPONSE_LENGTH:-}" ] &&
+    args+=("actor_rollout_ref.rollout.multi_turn.max_tool_response_length=$MAX_TOOL_RESPONSE_LENGTH")
+  [ -n "${TOOL_RESPONSE_TRUNCATE_SIDE:-}" ] &&
+    args+=("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=$TOOL_RESPONSE_TRUNCATE_SIDE")
 fi
 
 cmd=("${PYTHON:-python}" -m trainer.main_ppo "${args[@]}" "$@")

@@ -5,7 +5,9 @@ Without an engine: the trainer nodes run jobgroup/verl-grpo.yaml's verl-trainer 
 the services answer to the job-group names that run exports; node IPs, ranks and the checkpoint volume
 agree; the images are built exactly as compose.yaml + compose.cpu.yaml build them (one build for both).
 
-With one (marker docker), one scenario, phase by phase, its times printed past pytest's capture:
+With one (marker docker), one scenario, phase by phase, its times printed past pytest's capture: GRPO
+with Search-R1 tool calls (both retrieval replicas, the compose `search` profile) and the reward-server's
+rewards, on a tiny model taught the format first (testing/search.py: a random one never calls the tool):
   up -> the Ray cluster of 2 nodes -> steps 1 and 2 with a rank on each node (the dashboard's state API)
   -> node 1's container killed in step 3 -> the run stops within a bound, naming node 1; checkpoint 2
   intact, with both ranks' shards on the shared volume -> the group restarted (a `sky jobs` recovery)
@@ -36,11 +38,11 @@ from tests.e2e.test_compose import (
 from tests.e2e.test_compose import (
     CPU_OVERLAY,
     gsm8k_folder,
-    small_corpus,
     stage_cpu_torch,
     start_docker,
     with_defaults,
 )
+from testing.search import SEARCH_RESULT_TOKENS, short_search_row, teach_search_format, write_corpus
 from tests.e2e.test_jobgroup_yaml import exported_urls
 from tests.helpers import ROOT
 
@@ -276,13 +278,13 @@ def job_group_urls() -> dict[str, str]:
     }
 
 
-def served_uids(data_url: str, steps: int, batch_size: int) -> list[list[str]]:
+def served_uids(data_url: str, dataset: str, steps: int, batch_size: int) -> list[list[str]]:
     """What the data-server hands out step by step, walking its cursor from the start."""
     batches, cursor = [], None
     for _ in range(steps):
         body = httpx.post(
             data_url + "/v1/batches",
-            json={"dataset": "gsm8k", "batch_size": batch_size, "cursor": cursor},
+            json={"dataset": dataset, "batch_size": batch_size, "cursor": cursor},
             timeout=30,
         ).json()
         batches.append([item["uid"] for item in body["items"]])
@@ -316,10 +318,27 @@ def group(request, tmp_path_factory):
 
     # larger than test_compose's: a step of a few seconds, so that a kill lands inside step 3
     model = make_tiny_model(tmp / "model", hidden=256, layers=4, heads=4, kv_heads=2, tokenizer="char")
+    # the default lr (5e-3, for the 32-wide tiny model) leaves this wider one half taught (loss 0.17,
+    # tags scrambled); 1e-3 takes the loss to 0.008 in the same 100 steps (~45 s here)
+    teach_search_format(model, [short_search_row(i) for i in range(6)], lr=1e-3)
+    questions = tmp / "search"
+    questions.mkdir()
+    for split, rows in (("train", range(6, 6 + STEPS * BATCH)), ("test", range(4))):
+        (questions / f"{split}.jsonl").write_text(
+            "".join(json.dumps(short_search_row(i)) + "\n" for i in rows)
+        )
     env = {
         **os.environ,
         "GSM8K_DIR": str(gsm8k_folder(tmp)),
-        "RETRIEVAL_CORPUS_FILE": str(small_corpus(tmp)),
+        "SEARCH_DATA_DIR": str(questions),
+        "DATASETS": "gsm8k=/data/gsm8k search=/data/search",
+        "DATASET": "search",
+        "USE_RETRIEVAL": "true",
+        "COMPOSE_PROFILES": "search",  # the second retrieval replica, which the trainer then waits for
+        # the search results as the model was taught them (testing/search.py)
+        "MAX_TOOL_RESPONSE_LENGTH": str(SEARCH_RESULT_TOKENS),
+        "TOOL_RESPONSE_TRUNCATE_SIDE": "left",
+        "RETRIEVAL_CORPUS_FILE": str(write_corpus(tmp / "corpus.jsonl")),
         "MODEL_DIR": str(model),
         "TORCH_INDEX": stage_cpu_torch(),
         "MULTINODE_NET": f"10.213.{os.getpid() % 250}",  # a /24 of this run's own
@@ -350,7 +369,7 @@ def test_two_node_run_loses_a_node_and_resumes_without_losing_a_prompt(group, tm
     timings = group.timings
     group.timed("build (cached when test_compose built the images)", "build", timeout=2400)
     start = time.time()
-    group.timed("up (5 containers)", "up", "--detach", "--no-build", timeout=900)
+    group.timed("up (6 containers)", "up", "--detach", "--no-build", timeout=900)
     trainer = group.watch("trainer-0", since=start)
     node1 = group.container("trainer-1")
     killed: dict[str, float] = {}
@@ -424,5 +443,14 @@ def test_two_node_run_loses_a_node_and_resumes_without_losing_a_prompt(group, tm
 
     # every prompt once, in the data-server's order: what an uninterrupted run trains on
     rollouts = group.read("trainer-0", "/checkpoints/rollouts/grpo-multinode", tmp_path / "rollouts")
-    expected = served_uids(group.url("data-server", 8000), STEPS, BATCH)
+    expected = served_uids(group.url("data-server", 8000), "search", STEPS, BATCH)
     assert trained_uids(rollouts, STEPS) == expected
+    # Search-R1 across the nodes: every step's trajectories searched both retrieval replicas' index
+    for step in range(1, STEPS + 1):
+        responses = [
+            json.loads(line)["response"] for line in (rollouts / f"{step}.jsonl").read_text().splitlines()
+        ]
+        assert any("<information>Doc 1(Title: " in r for r in responses), responses[:2]
+    calls = [float(c) for c in re.findall(r"(?:^|\s)step:\d+ - .*?tool_calls/mean:([\d.]+)", log, re.M)]
+    assert len(calls) >= 2 and all(c > 0 for c in calls), calls
+    group.notes.append(f"tool_calls/mean of the resumed steps 3-4: {calls}")
