@@ -10,8 +10,9 @@ Each case is one `python -m trainer.main_ppo` run on a randomly initialised mode
 (a random model rarely stops early), GRPO with a KL loss against a reference model, one optimizer step
 per batch, rewards in-process: Ray ranks with FSDP2 (bf16 compute, fp32 master weights), packed
 micro-batches, and on every GPU the rollout engine next to the policy (rollout.name=builtin by default).
-It reports the mean over the steps after the first (the first is warm-up: compilation, CUDA graphs,
-Triton kernels):
+It reports the median over the steps after the first (the first is warm-up: compilation, CUDA graphs,
+Triton kernels; the median, as a later step can still compile once: a shorter last chunk of the
+log-prob head did, and the mean of two steps then read as a 1.7x slower update):
 
     timing_s/* (gen, old_log_prob, ref, update_actor, update_weights, step), perf/throughput (tokens/s
     per GPU), perf/mfu/actor, perf/max_memory_allocated_gb (largest rank), and the weak-scaling
@@ -21,7 +22,7 @@ Variants: --compile, --fused-head, --micro-batch and --engine take comma lists; 
 the main variant, which runs at every GPU count; every other combination runs at --ab-gpus only (default:
 the smallest count). Extra `key=value` arguments go to every run.
 
-Made to fit one device call: --steps 2 (one warm-up step, one measured), the models are written once,
+Made to fit one device call: --steps 4 (one warm-up step, three measured), the models are written once,
 one Ray cluster serves every case (started here; each run joins it through RAY_ADDRESS), --parallel
 runs cases side by side when their GPUs fit (a 1-GPU and a 2-GPU case on 4 GPUs), and --budget-s stops
 starting cases that cannot finish in time (a running one is stopped at the budget). Each case's output
@@ -36,6 +37,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -200,7 +202,7 @@ def run_command(args, case: Case, model: Path, data: Path, run_dir: Path, extra:
 
 
 def summarise(run_dir: Path) -> dict[str, float]:
-    """The mean of each reported metric over the logged steps after the first (warm-up); with one step,
+    """The median of each reported metric over the logged steps after the first (warm-up); with one step,
     that step's. Peak memory is the largest. Every other timing_s/* key goes into results.json too (not
     the table), so a step's time not in the reported phases (reward, advantages, the driver) can be read."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -211,7 +213,7 @@ def summarise(run_dir: Path) -> dict[str, float]:
     for key in [*REPORTED, *(k for k in timings if k not in REPORTED)]:
         values = [m[key] for m in measured if key in m]
         if values:
-            out[key] = max(values) if key.startswith("perf/max_memory") else sum(values) / len(values)
+            out[key] = max(values) if key.startswith("perf/max_memory") else statistics.median(values)
     return out
 
 
@@ -389,7 +391,7 @@ def main() -> None:
     parser.add_argument("--gsm8k", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_scaling", help="models, run dirs")
     parser.add_argument("--results", type=Path, default=None, help="logs and results.json (default: --out)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prompts-per-gpu", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response-length", type=int, default=256)
