@@ -166,6 +166,37 @@ def short_search_row(index: int) -> dict:
     }
 
 
+def taught_run_keys(
+    model: str | Path, dataset: str, out: Path, *, response_length: int, tool_tokens: int
+) -> list[str]:
+    """The trainer keys of a short GRPO run of a taught tiny model on CPU (the tool tests' runs): 4 prompts
+    x 4 samples, 2 steps, up to 3 assistant turns, each tool response cut on the left to `tool_tokens`
+    as the model was taught it; metrics, checkpoints and the rollouts' dump under `out`."""
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.model.path={model}",
+        f"data.dataset={dataset}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=128",
+        f"data.max_response_length={response_length}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={tool_tokens}",
+        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        "trainer.device=cpu",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={out / 'ckpt'}",
+        f"trainer.log_dir={out / 'run'}",
+        f"trainer.rollout_data_dir={out / 'rollouts'}",
+    ]
+
+
 CHUNK = 16  # sequences per forward in fine_tune
 
 

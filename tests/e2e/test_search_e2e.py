@@ -20,7 +20,13 @@ import sys
 
 import pytest
 
-from testing.search import SEARCH_RESULT_TOKENS, short_search_row, teach_search_format, write_corpus
+from testing.search import (
+    SEARCH_RESULT_TOKENS,
+    short_search_row,
+    taught_run_keys,
+    teach_search_format,
+    write_corpus,
+)
 from testing.tiny import make_tiny_model
 from tests.helpers import ROOT
 
@@ -50,31 +56,13 @@ def test_grpo_steps_with_search_through_the_three_services(searcher, tmp_path):
         "--data-server-args", f"--datasets search={data}",
         "--retrieval-corpus", str(corpus), "--retrieval-build-args", "--index bm25",
     ]  # fmt: skip
-    trainer = [
-        "algorithm.adv_estimator=grpo",
-        f"actor_rollout_ref.model.path={searcher}",
-        "data.dataset=search",
-        "data.train_batch_size=4",
-        "data.max_prompt_length=128",
-        "data.max_response_length=128",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.rollout.n=4",
+    # the search results as the model was taught them: their first 13 tokens (testing/search.py)
+    trainer = taught_run_keys(
+        searcher, "search", tmp_path, response_length=128, tool_tokens=SEARCH_RESULT_TOKENS
+    )
+    trainer += [
         "actor_rollout_ref.rollout.multi_turn.format=search_r1",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-        # the search results as the model was taught them: their first 13 tokens (testing/search.py)
-        f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={SEARCH_RESULT_TOKENS}",
-        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
-        "trainer.total_training_steps=2",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-        "trainer.save_freq=-1",
-        "trainer.device=cpu",
         "trainer.nnodes=2",  # two Ray ranks, each with its engine behind the rollout manager
-        "trainer.logger=[jsonl]",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        f"trainer.log_dir={tmp_path / 'run'}",
-        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ]
     done = subprocess.run(
         launcher + trainer, cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False

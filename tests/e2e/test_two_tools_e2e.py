@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from testing.search import write_corpus
+from testing.search import taught_run_keys, write_corpus
 from testing.tiny import make_tiny_model
 from testing.tool_calls import CODE_CALL, SEARCH_CALL, SEARCH_RESULT_TOKENS, teach_two_tools, two_tool_row
 from tests.helpers import ROOT, code_sandbox_missing
@@ -54,31 +54,11 @@ def test_grpo_steps_calling_search_and_code_through_the_four_services(tool_user,
         "--retrieval-corpus", str(write_corpus(tmp_path / "corpus.jsonl")),
         "--retrieval-build-args", "--index bm25", "--code-executor-args", "--workers 2",
     ]  # fmt: skip
-    trainer = [
-        "algorithm.adv_estimator=grpo",
-        f"actor_rollout_ref.model.path={tool_user}",
-        "data.dataset=twotools",
-        "data.train_batch_size=4",
-        "data.max_prompt_length=128",
-        "data.max_response_length=320",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-        # the search result as the model was taught it: its first tokens (testing/tool_calls.py)
-        f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={SEARCH_RESULT_TOKENS}",
-        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
-        "trainer.total_training_steps=2",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-        "trainer.save_freq=-1",
-        "trainer.device=cpu",
-        "trainer.use_ray=false",  # one rank in the launcher's trainer process: no Ray start-up on 2 cores
-        "trainer.logger=[jsonl]",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        f"trainer.log_dir={tmp_path / 'run'}",
-        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
-    ]
+    # the search result as the model was taught it: its first tokens (testing/tool_calls.py)
+    trainer = taught_run_keys(
+        tool_user, "twotools", tmp_path, response_length=320, tool_tokens=SEARCH_RESULT_TOKENS
+    )
+    trainer.append("trainer.use_ray=false")  # one rank in the launcher's trainer: no Ray start-up on 2 cores
     env = {**os.environ, "USE_CODE_EXECUTOR": "true", "USE_RETRIEVAL": "true"}
     done = subprocess.run(
         launcher + trainer, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
