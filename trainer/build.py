@@ -149,17 +149,7 @@ async def build_run(cfg: Config) -> Run:
     steps = total_steps(
         source.train_size, cfg.data.train_batch_size, trainer.total_epochs, trainer.total_training_steps
     )
-    scorer = await open_scorer(
-        cfg.reward_model.mode,
-        urls=cfg.services.reward_url,
-        timeout_s=cfg.services.timeout_s,
-        retries=cfg.services.retries,
-        token=cfg.services.auth_token,
-        health_timeout_s=cfg.services.health_timeout_s,
-        retry_deadline_s=cfg.services.retry_deadline_s,
-        custom_path=cfg.custom_reward_function.path,
-        custom_name=cfg.custom_reward_function.name,
-    )
+    scorer = await open_scorer(cfg.reward_model, cfg.services, cfg.custom_reward_function)
     groups = build_groups(cfg, device, default_precision(device, trainer.mixed_precision), steps)
     pad_id = pad_token_id(tokenizer)
     rollout = build_rollout(

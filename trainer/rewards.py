@@ -149,35 +149,28 @@ class CustomFunctionScorer:
         pass
 
 
-async def open_scorer(
-    mode: str,
-    *,
-    urls: list[str],
-    timeout_s: float,
-    retries: int,
-    token: str | None,
-    health_timeout_s: float,
-    custom_path: str | None,
-    custom_name: str,
-    retry_deadline_s: float = 0.0,
-):
-    """The scorer the config names; the server one has answered /health. Close with `close_scorer`.
-
-    `retry_deadline_s` (services.retry_deadline_s): how long the server one keeps retrying a reward-server
-    that stopped answering, from its first failure."""
+async def open_scorer(reward_model, services, custom_reward_function):
+    """The scorer the config names (its reward_model, services and custom_reward_function sections); the
+    server one has answered /health. Close with `close_scorer`. The server one keeps retrying a
+    reward-server that stopped answering for services.retry_deadline_s from its first failure."""
+    mode, custom_path = reward_model.mode, custom_reward_function.path
     if mode == "local":
         if custom_path:
-            return CustomFunctionScorer(custom_path, custom_name)
+            return CustomFunctionScorer(custom_path, custom_reward_function.name)
         from services.scoring import LocalScorer
 
         return LocalScorer()
     from services.reward_server.client import RewardClient
 
     client = RewardClient(
-        urls, timeout_s=timeout_s, retries=retries, token=token, deadline_s=retry_deadline_s
+        services.reward_url,
+        timeout_s=services.timeout_s,
+        retries=services.retries,
+        token=services.auth_token,
+        deadline_s=services.retry_deadline_s,
     )
     try:
-        await client.wait_healthy(health_timeout_s)
+        await client.wait_healthy(services.health_timeout_s)
     except BaseException:
         await client.aclose()
         raise
