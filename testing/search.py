@@ -57,6 +57,18 @@ def write_corpus(path: str | Path) -> Path:
     return path
 
 
+def write_search_rows(folder: str | Path, train: range, test: range) -> Path:
+    """train.jsonl and test.jsonl of short_search_row rows (these indices) in `folder`: a data-server
+    dataset (`--datasets NAME=folder`)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, indices in (("train", train), ("test", test)):
+        (folder / f"{split}.jsonl").write_text(
+            "".join(json.dumps(short_search_row(i)) + "\n" for i in indices)
+        )
+    return folder
+
+
 def write_qa(path: str | Path, rows: list[dict] | None = None) -> Path:
     """Rows in the data-server's QA shape ({question, golden_answers}): it adds the Search-R1 instruction."""
     path = Path(path)

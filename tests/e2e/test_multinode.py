@@ -42,7 +42,13 @@ from tests.e2e.test_compose import (
     start_docker,
     with_defaults,
 )
-from testing.search import SEARCH_RESULT_TOKENS, short_search_row, teach_search_format, write_corpus
+from testing.search import (
+    SEARCH_RESULT_TOKENS,
+    short_search_row,
+    teach_search_format,
+    write_corpus,
+    write_search_rows,
+)
 from tests.e2e.test_jobgroup_yaml import exported_urls
 from tests.helpers import ROOT
 
@@ -321,12 +327,7 @@ def group(request, tmp_path_factory):
     # the default lr (5e-3, for the 32-wide tiny model) leaves this wider one half taught (loss 0.17,
     # tags scrambled); 1e-3 takes the loss to 0.008 in the same 100 steps (~45 s here)
     teach_search_format(model, [short_search_row(i) for i in range(6)], lr=1e-3)
-    questions = tmp / "search"
-    questions.mkdir()
-    for split, rows in (("train", range(6, 6 + STEPS * BATCH)), ("test", range(4))):
-        (questions / f"{split}.jsonl").write_text(
-            "".join(json.dumps(short_search_row(i)) + "\n" for i in rows)
-        )
+    questions = write_search_rows(tmp / "search", train=range(6, 6 + STEPS * BATCH), test=range(4))
     env = {
         **os.environ,
         "GSM8K_DIR": str(gsm8k_folder(tmp)),

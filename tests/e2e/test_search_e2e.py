@@ -26,6 +26,7 @@ from testing.search import (
     taught_run_keys,
     teach_search_format,
     write_corpus,
+    write_search_rows,
 )
 from testing.tiny import make_tiny_model
 from tests.helpers import ROOT
@@ -41,10 +42,7 @@ def searcher(tmp_path_factory):
 
 
 def test_grpo_steps_with_search_through_the_three_services(searcher, tmp_path):
-    data = tmp_path / "search"
-    data.mkdir()
-    for split, rows in (("train", range(6, 38)), ("test", range(4))):
-        (data / f"{split}.jsonl").write_text("".join(json.dumps(short_search_row(i)) + "\n" for i in rows))
+    data = write_search_rows(tmp_path / "search", train=range(6, 38), test=range(4))
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     hotpot = ROOT.parent / "shared" / "data" / "wiki" / "hotpot_dev100_corpus.jsonl"
     if hotpot.exists():
