@@ -10,8 +10,10 @@ relative); AdamW's first steps divide by sqrt(v) ~ |g|, which magnifies rounding
 gradients, so parameters are compared through the model's logprobs on a probe batch (atol 1e-4).
 """
 
+import importlib.util
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from trainer.parallel.placement import RayRanks, ResourcePool, connect_ray
 from trainer.parallel.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
 
 ray = pytest.importorskip("ray")
+ROOT = Path(__file__).resolve().parents[2]
 
 VOCAB = 100
 MINI_BATCH, MICRO_BATCH = 4, 1  # 8 rows = 2 optimizer steps; each rank: 2 rows per step, 2 micro-batches
@@ -485,6 +488,13 @@ def test_fit_on_two_ranks_generates_with_their_builtin_engines(cluster, model_di
     assert {p.name.removesuffix(".json") for p in profiles.glob("*.json")} == expected
     # a policy rank's table holds its update: the backward ran inside the profiled step
     assert "backward" in (profiles / "step_2_policy_rank1.txt").read_text().lower()
+    # each phase of a rank is a named range of its trace, which bench/trace_summary.py splits the step by
+    spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "bench" / "trace_summary.py")
+    trace_summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace_summary)
+    rows = {row["phase"]: row for row in trace_summary.summarize(profiles / "step_2_policy_rank1.json")}
+    assert {"rank.compute_logprobs", "rank.update", "rank.sync_weights"} <= set(rows)
+    assert 0 < rows["rank.update"]["wall_ms"] < rows["step (whole trace)"]["wall_ms"]
     for metrics in steps.values():
         assert metrics["training/rollout_probs_diff_max"] < 1e-3
         assert metrics["timing_s/update_weights"] > 0

@@ -1,0 +1,111 @@
+"""Where a profiled step's time went on each rank, from the Chrome traces `trainer.profile_steps` writes.
+
+    python bench/trace_summary.py <run>/profile/step_3_policy_rank0.json [more traces ...]
+
+For every trace: the step's span, and for each phase (the `rank.<method>` ranges a Ray rank's calls are
+recorded under, trainer/parallel/placement.py; the time outside them is generation and waiting for the
+driver) its wall time, the GPU's busy time in it (the union of kernels, copies and sets), how much of
+that was NCCL's kernels (collectives), the GPU's idle time, and the host's CPU-op time per GPU-busy time
+(above ~1 the phase launches slower than the GPU runs: host-bound). A rank idle between phases is
+waiting for the driver or for another rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def clip(intervals: list[tuple[float, float]], start: float, stop: float) -> list[tuple[float, float]]:
+    return [(max(a, start), min(b, stop)) for a, b in intervals if b > start and a < stop]
+
+
+def summarize(path: Path) -> list[dict]:
+    events = json.loads(path.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in complete if e.get("cat") in GPU_CATEGORIES]
+    nccl = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in complete
+        if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()
+    ]
+    cpu_ops = [(e["ts"], e["ts"] + e["dur"]) for e in complete if e.get("cat") == "cpu_op"]
+    phases = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in complete
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("rank.")
+    )
+    everything = gpu + cpu_ops + [(a, b) for a, b, _ in phases]
+    if not everything:
+        return []
+    first, last = min(a for a, _ in everything), max(b for _, b in everything)
+    rows = [(first, last, "step (whole trace)")] + phases
+    outside, cursor = [], first  # the gaps between phases: generation, the driver, other ranks
+    for start, stop, _ in phases:
+        if start > cursor:
+            outside.append((cursor, start))
+        cursor = max(cursor, stop)
+    if last > cursor:
+        outside.append((cursor, last))
+    out = []
+    for start, stop, name in rows:
+        span = stop - start
+        busy = union_us(clip(gpu, start, stop))
+        out.append(
+            {
+                "phase": name,
+                "wall_ms": span / 1e3,
+                "gpu_busy_ms": busy / 1e3,
+                "nccl_ms": union_us(clip(nccl, start, stop)) / 1e3,
+                "gpu_idle_ms": (span - busy) / 1e3,
+                "cpu_per_gpu": union_us(clip(cpu_ops, start, stop)) / busy if busy else float("nan"),
+            }
+        )
+    busy_out = sum(union_us(clip(gpu, a, b)) for a, b in outside)
+    span_out = sum(b - a for a, b in outside)
+    out.append(
+        {
+            "phase": "outside rank.* (generation, waits)",
+            "wall_ms": span_out / 1e3,
+            "gpu_busy_ms": busy_out / 1e3,
+            "nccl_ms": sum(union_us(clip(nccl, a, b)) for a, b in outside) / 1e3,
+            "gpu_idle_ms": (span_out - busy_out) / 1e3,
+            "cpu_per_gpu": float("nan"),
+        }
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("traces", nargs="+", type=Path)
+    args = parser.parse_args()
+    for path in args.traces:
+        print(f"\n{path}")
+        print(f"  {'phase':<38}{'wall ms':>10}{'GPU busy':>10}{'NCCL':>9}{'GPU idle':>10}{'CPU/GPU':>9}")
+        for row in summarize(path):
+            print(
+                f"  {row['phase']:<38}{row['wall_ms']:>10.1f}{row['gpu_busy_ms']:>10.1f}"
+                f"{row['nccl_ms']:>9.1f}{row['gpu_idle_ms']:>10.1f}{row['cpu_per_gpu']:>9.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
