@@ -108,8 +108,7 @@ def reward_options(reward_model, max_response_length: int) -> RewardOptions:
     )
 
 
-async def score_rollouts(scorer: Scorer, items: list[dict], options: RewardOptions) -> Scores:
-    results = await scorer.score(items, options)
+def scores_of(results: Sequence[RewardResult]) -> Scores:
     errors = [r.error for r in results if r.error is not None]
     return Scores(
         scores=torch.tensor([r.score for r in results], dtype=torch.float32),

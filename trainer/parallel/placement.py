@@ -188,20 +188,24 @@ class RankActor:
         ).result()
 
     def replica_many(self, method: str, calls: list[tuple]):
-        """Several calls of one replica method at once, all started before any is awaited; yields
-        (position, result, error) as each finishes. RankReplica sends the requests the manager made in
-        one turn of its event loop this way: the engine gets a batch's prompts together instead of one
-        Ray call at a time (spread over ~0.1-0.2 s at 4 ranks, so its last prompts started late), and
-        each prompt's group still comes back as soon as it is done (a Ray streaming generator)."""
+        """Several calls of one replica method at once, all started before any is awaited; yields lists
+        of (position, result, error), each the calls finished since the last. RankReplica sends the
+        requests the manager made in one turn of its event loop this way: the engine gets a batch's
+        prompts together instead of one Ray call at a time (spread over ~0.1-0.2 s at 4 ranks, so its last
+        prompts started late), and each prompt's group still comes back as soon as it is done (a Ray
+        streaming generator), in one message with the others that ended with it."""
         loop = self._replica_loop()
         replica = self.role.replica
         position = {
             asyncio.run_coroutine_threadsafe(getattr(replica, method)(*args), loop): index
             for index, args in enumerate(calls)
         }
-        for future in concurrent.futures.as_completed(position):
-            error = future.exception()
-            yield position[future], None if error is not None else future.result(), error
+        pending = set(position)
+        while pending:
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            yield [
+                (position[f], None if f.exception() is not None else f.result(), f.exception()) for f in done
+            ]
 
     def _replica_loop(self) -> asyncio.AbstractEventLoop:
         with self.loop_lock:
@@ -392,13 +396,13 @@ class RankReplica:
         try:
             many = self.actor.replica_many.options(concurrency_group=REPLICA_CALLS)
             async for ref in many.remote("rollouts", calls):
-                index, result, error = await ref
-                if futures[index].done():  # its caller gave up (cancelled)
-                    continue
-                if error is None:
-                    futures[index].set_result(result)
-                else:
-                    futures[index].set_exception(error)
+                for index, result, error in await ref:
+                    if futures[index].done():  # its caller gave up (cancelled)
+                        continue
+                    if error is None:
+                        futures[index].set_result(result)
+                    else:
+                        futures[index].set_exception(error)
         except RayActorError as exc:
             failure = ReplicaDown(f"{self.name}: {_first_line(exc)}")
         except Exception as exc:  # noqa: BLE001 - it fails this turn's requests, not the manager's loop
