@@ -4,6 +4,8 @@ The engine's logprobs are checked against a teacher-forced forward of the same t
 trainer recomputes), stops and finish reasons against a greedy continuation computed beforehand.
 """
 
+import random
+
 import pytest
 import torch
 
@@ -234,6 +236,30 @@ def test_train_batch_layout_by_hand():
     first = batch.select([0]).trimmed()
     assert first.input_ids.tolist() == [[5, 6, 7, 9, 10]] and first.response_mask.tolist() == [[1, 1]]
     assert first.rollout_logprobs.tolist() == [[-0.5, -0.5]] and first.data_sources == ("gsm8k",)
+
+
+def test_train_batch_rows_of_any_lengths_hold_each_rollout_where_the_layout_says():
+    """Rows built all at once (ragged positions): every row's prompt ends at column P, its response,
+    loss mask and logprobs follow, an empty response included."""
+    rng = random.Random(0)
+    rollouts = []
+    for i in range(40):
+        prompt = [rng.randrange(1, 99) for _ in range(rng.randrange(1, 9))]
+        response = [rng.randrange(1, 99) for _ in range(rng.randrange(0, 7))]
+        mask = [rng.randrange(2) for _ in response]
+        rollouts.append(rollout(prompt, response, mask, index=i))
+    batch = TrainBatch.from_rollouts(rollouts, pad_id=0)
+    width = batch.prompt_width
+    for row, r in enumerate(rollouts):
+        start, end = width - len(r.prompt_ids), width + len(r.response_ids)
+        assert batch.input_ids[row, start:end].tolist() == r.prompt_ids + r.response_ids
+        assert batch.input_ids[row, :start].eq(0).all() and batch.input_ids[row, end:].eq(0).all()
+        assert batch.attention_mask[row].tolist() == [0] * start + [1] * (end - start) + [0] * (
+            batch.input_ids.shape[1] - end
+        )
+        assert batch.response_mask[row, : len(r.loss_mask)].tolist() == r.loss_mask
+        assert batch.rollout_logprobs[row, : len(r.logprobs)].tolist() == r.logprobs
+        assert batch.response_mask[row, len(r.loss_mask) :].eq(0).all()
 
 
 def test_train_batch_split_select_to_and_group_ids():
