@@ -171,7 +171,11 @@ class SparseSearcher:
 
     def search(self, encoded: list[list[str]], topk: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(topk, self._count)
-        rows, scores = self.retriever.retrieve(encoded, k=k, show_progress=False, n_threads=0)
+        # numpy's top-k, never JAX's: bm25s picks JAX where it is installed (GPU images), and JAX takes
+        # 75% of a GPU's memory when it starts, memory the trainer beside this service then lacks
+        rows, scores = self.retriever.retrieve(
+            encoded, k=k, show_progress=False, n_threads=0, backend_selection="numpy"
+        )
         return scores.astype(np.float32), rows.astype(np.int64)
 
 
