@@ -3,6 +3,7 @@ for one or more model shapes, and A/B runs of the speed options, printed as one 
 
     python bench/scaling.py --gpus 1,2,4 --model-size 0.5b,1.5b          # the issue-16 matrix
     python bench/scaling.py --gpus 1 --compile on,off --fused-head on,off  # A/B of the actor's speed-ups
+    python bench/scaling.py --gpus 1,2,4 --tools search                    # Search-R1 tool calls on
     python bench/scaling.py --gpus 1,2 --small --device cpu                 # CPU smoke run (gloo, tiny model)
 
 Each case is one `python -m trainer.main_ppo` run on a randomly initialised model of Qwen2.5-0.5B's (or
@@ -18,9 +19,20 @@ log-prob head did, and the mean of two steps then read as a 1.7x slower update):
     per GPU), perf/mfu/actor, perf/max_memory_allocated_gb (largest rank), and the weak-scaling
     efficiency: throughput per GPU against the same shape and variant on 1 GPU (1.0 is perfect).
 
-Variants: --compile, --fused-head, --micro-batch and --engine take comma lists; their first values make
-the main variant, which runs at every GPU count; every other combination runs at --ab-gpus only (default:
-the smallest count). Extra `key=value` arguments go to every run.
+Variants: --compile, --fused-head, --micro-batch, --engine, --gathers and --tools take comma lists; their
+first values make the main variant, which runs at every GPU count; every other combination runs at
+--ab-gpus only (default: the smallest count). Extra `key=value` arguments go to every run.
+
+--tools search (default off): Search-R1-style multi-turn GRPO through the agent loop instead, the search
+tool calling a real retrieval-server (`python -m services.retrieval_server`, a BM25 index over the corpus
+of testing/search.py, started here on a loopback port and stopped at the end). The prompts are that
+module's short search rows (data_source nq, scored in-process by exact match); --response-length is the
+whole multi-turn budget; up to 4 model turns; each search result cut to its first 7 tokens. A random
+model never writes `<search>`, so each shape's model is first taught the format (a few AdamW steps on
+two targets: the search turn after the prompt, an answer after the result, as the loop lays out their
+tokens) into model-<shape>-search, and greedy generation on prompts it was not taught must then start
+with the search turn, or the bench stops there. The table adds tool_calls/mean, num_turns/mean,
+tool/errors, timing_s/tool_calls/search and its share of timing_s/step; `--tools off,search` is an A/B.
 
 Made to fit one device call: --steps 4 (one warm-up step, three measured), the models are written once,
 one Ray cluster serves every case (started here; each run joins it through RAY_ADDRESS), --parallel
@@ -33,19 +45,24 @@ On the offline GPU machines: `bash bench/gpu_prepare.sh` here first; its header 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import multiprocessing
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from testing.search import QWEN_SEARCH_RESULT_TOKENS  # noqa: E402 - after the path insert
 
 REPORTED = (
     "timing_s/gen",
@@ -58,13 +75,33 @@ REPORTED = (
     "perf/mfu/actor",
     "perf/max_memory_allocated_gb",
     "response_length/mean",
+    "tool_calls/mean",  # the tools-on metrics (trainer/agent/loop.py)
+    "num_turns/mean",
+    "tool/errors",
+    "timing_s/tool_calls/search",
 )
+SWITCHES = {"on": "true", "off": "false"}
+SEARCH_RESULT_TOKENS = QWEN_SEARCH_RESULT_TOKENS  # of each search result: what the models are taught
+TOOL_SECONDS = "timing_s/tool_calls/search"
+# The retrieval-server (BM25) off the GPUs: where JAX is installed, bm25s selects its top-k with JAX, which
+# takes 75% of a GPU's memory the moment it starts (the runs then ran out of memory in their update).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
+TOOLS = {  # --tools value -> config overrides (services.retrieval_url is added per run)
+    "off": [],
+    "search": [
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.format=search_r1",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",  # Search-R1's
+        f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={SEARCH_RESULT_TOKENS}",
+        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
+    ],
+}
 OPTIONS = {  # --option value -> config overrides
     "compile": lambda on: [
-        f"actor_rollout_ref.actor.use_torch_compile={on}",
-        f"actor_rollout_ref.ref.use_torch_compile={on}",
+        f"actor_rollout_ref.actor.use_torch_compile={SWITCHES.get(on, on)}",
+        f"actor_rollout_ref.ref.use_torch_compile={SWITCHES.get(on, on)}",
     ],
-    "fused_head": lambda on: [f"actor_rollout_ref.model.use_fused_kernels={on}"],
+    "fused_head": lambda on: [f"actor_rollout_ref.model.use_fused_kernels={SWITCHES.get(on, on)}"],
     "micro_batch": lambda size: [
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={size}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={2 * int(size)}",
@@ -75,14 +112,35 @@ OPTIONS = {  # --option value -> config overrides
         f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={dtype}",
         f"actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype={dtype}",
     ],
+    "tools": lambda name: TOOLS[name],
 }
-SWITCHES = {"on": "true", "off": "false"}
+
+
+@dataclass(frozen=True)
+class Teaching:
+    """teach_search_format's settings for one model shape: full-batch AdamW on `rows` prompts."""
+
+    steps: int
+    lr: float
+    rows: int
+
+
+# Per shape. The tiny one (hidden 64) learns both targets in 60 steps at 5e-3 (loss 0.06, 54 s on 2 CPU
+# cores: the Qwen vocabulary's head is most of it). Rates like that are for 64-wide models; the 0.5B and
+# 1.5B shapes get AdamW at 1e-4 / 5e-5 (each weight moves ~1e-2 over the steps, against an init of 0.02):
+# on an H100, loss 0.002 in 47 s (0.5B) and 0.0000 in 84 s (1.5B), the check included, both passed.
+TEACHING = {
+    "tiny": Teaching(steps=60, lr=5e-3, rows=4),
+    "0.5b": Teaching(steps=100, lr=1e-4, rows=16),
+    "1.5b": Teaching(steps=100, lr=5e-5, rows=16),
+}
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str  # "" for the main variant
     overrides: tuple[str, ...]
+    tools: str = "off"  # a TOOLS key
 
 
 @dataclass
@@ -104,8 +162,19 @@ class Case:
         return self.label.replace(" ", "_").replace("=", "-").replace(",", "+")
 
 
-def prepare(work: Path, gsm8k: Path, sizes: list[str]) -> tuple[dict[str, Path], Path]:
-    """Random models of each shape (bf16 safetensors: half the bytes to write and read) and the data."""
+@dataclass(frozen=True)
+class Inputs:
+    """What the cases run on: a model folder per (shape, tools), a prompts file per tools value, and the
+    retrieval-server's URL when a case searches."""
+
+    models: dict[tuple[str, str], Path]
+    prompts: dict[str, Path]
+    retrieval_url: str | None = None
+
+
+def prepare(work: Path, gsm8k: Path, sizes: list[str]) -> tuple[dict[tuple[str, str], Path], Path]:
+    """Random models of each shape (bf16 safetensors: half the bytes to write and read) and the GSM8K
+    prompts."""
     import torch
 
     from services.data_server.export import write_verl_parquet
@@ -119,15 +188,110 @@ def prepare(work: Path, gsm8k: Path, sizes: list[str]) -> tuple[dict[str, Path],
         if not (model / "config.json").exists():
             config = shapes[size]()  # tiny: hidden 64, 2 layers
             make_tiny_model(model, config=config, tokenizer="qwen", hidden=64, layers=2, dtype=torch.bfloat16)
-        models[size] = model
-    data = work / "data"
-    if not (data / "train.parquet").exists():
+        models[size, "off"] = model
+    prompts = work / "data" / "train.parquet"
+    if not prompts.exists():
         rows = read_records(gsm8k / "train.jsonl")
         write_verl_parquet(
-            [gsm8k_row(r["question"], r["answer"], "train", i) for i, r in enumerate(rows)],
-            data / "train.parquet",
+            [gsm8k_row(r["question"], r["answer"], "train", i) for i, r in enumerate(rows)], prompts
         )
-    return models, data
+    return models, prompts
+
+
+# ------------------------------------------------------------------------------ --tools search
+
+
+def prepare_search(
+    work: Path, sizes: list[str], rows: int, teaching: dict[str, Teaching], device: str
+) -> tuple[dict[tuple[str, str], Path], Path, Path]:
+    """-> (each shape's taught model, the search prompts file, the BM25 index folder)."""
+    from testing.search import write_corpus, write_search_rows
+
+    prompts = write_search_rows(work / "search", train=range(rows), test=range(4)) / "train.jsonl"
+    index = work / "index-bm25"
+    if not (index / "manifest.json").exists():
+        corpus = write_corpus(work / "corpus.jsonl")
+        subprocess.run(
+            [sys.executable, "-m", "services.retrieval_server", "build", "--corpus", str(corpus),
+             "--out", str(index), "--index", "bm25", "--no-progress", "--overwrite"],
+            cwd=ROOT, env={**os.environ, **CPU_ONLY}, check=True,
+        )  # fmt: skip
+    models = {(size, "search"): taught_model(work, size, teaching[size], device) for size in sizes}
+    return models, prompts, index
+
+
+def taught_model(work: Path, size: str, teaching: Teaching, device: str) -> Path:
+    """model-<size> copied to model-<size>-search and taught the search format there, in a spawned
+    process (the GPU memory it takes is free again for the runs); kept for later runs with the same
+    teaching. Exits, showing what the model wrote, when it does not open with the search turn."""
+    from testing.search import SEARCH_TURN
+
+    taught = work / f"model-{size}-search"
+    settings = json.dumps(asdict(teaching))
+    if (taught / "taught.json").exists() and (taught / "taught.json").read_text() == settings:
+        return taught
+    shutil.rmtree(taught, ignore_errors=True)
+    shutil.copytree(work / f"model-{size}", taught)
+    started = time.monotonic()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        loss, turns = child.submit(teach, taught, teaching, device).result()
+    print(
+        f"[bench] {taught.name}: taught in {time.monotonic() - started:.0f} s ({teaching.steps} steps, "
+        f"lr {teaching.lr:g}, {teaching.rows} prompts), last loss {loss:.4f}",
+        flush=True,
+    )
+    for first, after_result in turns:
+        print(f"    | first turn {first!r}; after the result {after_result!r}", flush=True)
+    if not all(first.startswith(SEARCH_TURN) for first, _ in turns):
+        sys.exit(
+            f"error: {taught.name} does not open with {SEARCH_TURN!r} on prompts it was not taught (its "
+            "greedy turns above): it would never call the tool. Teach it longer or at another rate "
+            "(--teach-steps, --teach-lr)."
+        )
+    if not all(after.startswith("<answer>") for _, after in turns):
+        print(f"[bench] warning: {taught.name} does not always answer after the search result", flush=True)
+    (taught / "taught.json").write_text(settings)
+    return taught
+
+
+def teach(model: Path, teaching: Teaching, device: str) -> tuple[float, list[tuple[str, str]]]:
+    """teach_search_format on rows 0..rows-1, then the greedy turns on four prompts after those ->
+    (the last loss, [(the first turn, the turn after the search result)]), the turns' contexts laid
+    out as the agent loop lays them out."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from testing.search import SEARCH_TURN, search_information, short_search_row, teach_search_format
+    from trainer.model import load_tokenizer
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [short_search_row(i) for i in range(teaching.rows)]
+    loss = teach_search_format(
+        model, rows, steps=teaching.steps, lr=teaching.lr, device=device, tool_tokens=SEARCH_RESULT_TOKENS
+    )
+    tokenizer = load_tokenizer(str(model))
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+    information = search_information(tokenizer, SEARCH_RESULT_TOKENS)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def greedy(ids: list[int]) -> str:
+        inputs = torch.tensor([ids], device=device)
+        out = policy.generate(
+            inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=12, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        return tokenizer.decode(out[0, len(ids) :])
+
+    turns = []
+    for row in map(short_search_row, range(teaching.rows, teaching.rows + 4)):
+        prompt = encode(
+            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        )
+        turns.append((greedy(prompt), greedy(prompt + encode(SEARCH_TURN) + information)))
+    return loss, turns
 
 
 def variants(args) -> list[Variant]:
@@ -135,15 +299,14 @@ def variants(args) -> list[Variant]:
     chosen = {name: getattr(args, name).split(",") for name in OPTIONS if getattr(args, name)}
     combos = list(itertools.product(*chosen.values()))
     out = []
-    for index, combo in enumerate(combos):
-        overrides = []
-        for name, value in zip(chosen, combo):
-            overrides += OPTIONS[name](SWITCHES.get(value, value))
-        label = ",".join(f"{name.replace('_', '-')}={value}" for name, value in zip(chosen, combo))
-        out.append(Variant("" if index == 0 else label, tuple(overrides)))
-    if len(out) > 1:  # name the main variant too, so the table says what the others are compared with
-        main = ",".join(f"{name.replace('_', '-')}={values[0]}" for name, values in chosen.items())
-        out[0] = Variant(main, out[0].overrides)
+    for combo in combos:
+        values = dict(zip(chosen, combo))
+        overrides = tuple(key for name, value in values.items() for key in OPTIONS[name](value))
+        label = ",".join(f"{name.replace('_', '-')}={value}" for name, value in values.items())
+        tools = values.get("tools", "off")
+        # the main variant is named too when there are others (the table says what they are compared
+        # with) or when it calls tools (a table of tools-on runs says so)
+        out.append(Variant(label if len(combos) > 1 or tools != "off" else "", overrides, tools))
     return out
 
 
@@ -161,19 +324,21 @@ def plan(args) -> list[Case]:
     return cases
 
 
-def run_command(args, case: Case, model: Path, data: Path, run_dir: Path, extra: list[str]) -> list[str]:
+def run_command(args, case: Case, inputs: Inputs, run_dir: Path, extra: list[str]) -> list[str]:
     prompts = args.prompts_per_gpu * case.world
+    tools = case.variant.tools
+    search = [f"services.retrieval_url={inputs.retrieval_url}"] if tools == "search" else []
     return [
         sys.executable,
         "-m",
         "trainer.main_ppo",
         "algorithm.adv_estimator=grpo",
-        f"data.train_files={data / 'train.parquet'}",
-        f"data.val_files={data / 'train.parquet'}",
+        f"data.train_files={inputs.prompts[tools]}",
+        f"data.val_files={inputs.prompts[tools]}",
         f"data.train_batch_size={prompts}",
         "data.max_prompt_length=512",
         f"data.max_response_length={args.response_length}",
-        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.model.path={inputs.models[case.size, tools]}",
         "actor_rollout_ref.model.use_remove_padding=true",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",  # one optimizer step: on-policy
@@ -197,6 +362,7 @@ def run_command(args, case: Case, model: Path, data: Path, run_dir: Path, extra:
         f"trainer.default_local_dir={run_dir / 'ckpt'}",
         "trainer.resume_mode=disable",
         *case.variant.overrides,
+        *search,
         *extra,
     ]
 
@@ -204,7 +370,9 @@ def run_command(args, case: Case, model: Path, data: Path, run_dir: Path, extra:
 def summarise(run_dir: Path) -> dict[str, float]:
     """The median of each reported metric over the logged steps after the first (warm-up); with one step,
     that step's. Peak memory is the largest. Every other timing_s/* key goes into results.json too (not
-    the table), so a step's time not in the reported phases (reward, advantages, the driver) can be read."""
+    the table), so a step's time not in the reported phases (reward, advantages, the driver) can be read.
+    With the search tool, tool_share_of_step: the median of each step's search seconds (wall time with
+    a search in flight) over its step time."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     steps = [m for m in map(json.loads, lines) if "timing_s/step" in m]
     measured = steps[1:] or steps
@@ -214,6 +382,9 @@ def summarise(run_dir: Path) -> dict[str, float]:
         values = [m[key] for m in measured if key in m]
         if values:
             out[key] = max(values) if key.startswith("perf/max_memory") else statistics.median(values)
+    shares = [m[TOOL_SECONDS] / m["timing_s/step"] for m in measured if TOOL_SECONDS in m]
+    if shares:
+        out["tool_share_of_step"] = statistics.median(shares)
     return out
 
 
@@ -259,9 +430,9 @@ class Runner:
     """Starts cases in order (the next one also while others run, when --parallel and its GPUs are free)
     and stops them at the budget."""
 
-    def __init__(self, args, models, data, extra, ray_address: str | None, on_finish) -> None:
+    def __init__(self, args, inputs: Inputs, extra, ray_address: str | None, on_finish) -> None:
         """on_finish(): called after every case ends (the table is reprinted)."""
-        self.args, self.models, self.data, self.extra = args, models, data, extra
+        self.args, self.inputs, self.extra = args, inputs, extra
         self.on_finish = on_finish
         self.deadline = time.monotonic() + args.budget_s if args.budget_s else None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -275,10 +446,15 @@ class Runner:
 
     def run(self, cases: list[Case]) -> None:
         waiting = list(cases)
-        while waiting or self.running:
-            started = self._start_what_fits(waiting)
-            if not started:
-                self._wait_one()
+        try:
+            while waiting or self.running:
+                started = self._start_what_fits(waiting)
+                if not started:
+                    self._wait_one()
+        finally:  # an interrupt or a failure here: no run goes on holding GPUs
+            for _, process, _ in self.running.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
 
     def _start_what_fits(self, waiting: list[Case]) -> bool:
         busy = sum(case.world for case, _, _ in self.running.values())
@@ -310,7 +486,7 @@ class Runner:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         log = open(self.args.results / f"{case.slug}.log", "w")  # noqa: SIM115 - closed when it ends
-        command = run_command(self.args, case, self.models[case.size], self.data, run_dir, self.extra)
+        command = run_command(self.args, case, self.inputs, run_dir, self.extra)
         process = subprocess.Popen(
             command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -367,12 +543,17 @@ def print_table(args, cases: list[Case]) -> None:
     width = max(14, *(len(c.label) + 2 for c in shown))
     print(
         f"\nGRPO step per GPU: {args.prompts_per_gpu} prompts x n={args.n}, responses <= "
-        f"{args.response_length} tokens; the mean of steps 2-{args.steps} (the first is warm-up)"
+        f"{args.response_length} tokens; the median of steps 2-{args.steps} (the first is warm-up)"
     )
     print(f"  {'metric':<30}" + "".join(f"{c.label:>{width}}" for c in shown))
     for key in REPORTED:
         if any(key in c.result for c in shown):
             print(f"  {key:<30}" + "".join(_cell(c.result.get(key), width) for c in shown))
+    if any("tool_share_of_step" in c.result for c in shown):
+        print(
+            f"  {'tool share of step':<30}"
+            + "".join(_cell(c.result.get("tool_share_of_step"), width) for c in shown)
+        )
     print(f"  {'weak-scaling efficiency':<30}" + "".join(_cell(efficiency(c, shown), width) for c in shown))
     print(f"  {'run wall time (s)':<30}" + "".join(_cell(c.wall_s, width, ".0f") for c in shown))
     print(f"  {'status':<30}" + "".join(f"{c.status[: width - 1]:>{width}}" for c in shown), flush=True)
@@ -403,6 +584,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", default=None, help="A/B: e.g. 32,64 (sequences per GPU)")
     parser.add_argument("--engine", default=None, help="A/B: builtin,hf (rollout.name)")
     parser.add_argument("--gathers", default=None, help="A/B: bf16,fp32 (fsdp mixed_precision.param_dtype)")
+    parser.add_argument("--tools", default=None, help="A/B: off,search (Search-R1 search tool calls)")
+    parser.add_argument("--teach-steps", type=int, default=None, help="--tools search: default per shape")
+    parser.add_argument("--teach-lr", type=float, default=None, help="--tools search: default per shape")
     parser.add_argument(
         "--ab-gpus", default=None, help="GPU counts of the non-main variants (default: fewest)"
     )
@@ -417,10 +601,29 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     args.results = args.results or args.out
     args.model_size = "tiny" if args.small else args.model_size
+    unknown = set((args.tools or "off").split(",")) - set(TOOLS)
+    if unknown:
+        parser.error(f"--tools: {', '.join(sorted(unknown))}; choose from {', '.join(TOOLS)}")
     args.results.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # the finally blocks run
     started = time.monotonic()
     cases = plan(args)
-    models, data = prepare(args.out, args.gsm8k, sorted({c.size for c in cases}))
+    models, prompts = prepare(args.out, args.gsm8k, sorted({c.size for c in cases}))
+    inputs = Inputs(models, {"off": prompts})
+    searching = sorted({c.size for c in cases if c.variant.tools == "search"})
+    index = None
+    if searching:
+        teaching = {
+            size: Teaching(
+                args.teach_steps or TEACHING[size].steps,
+                args.teach_lr or TEACHING[size].lr,
+                TEACHING[size].rows,
+            )
+            for size in searching
+        }
+        rows = args.prompts_per_gpu * max(c.world for c in cases) * args.steps
+        taught, search_prompts, index = prepare_search(args.out, searching, rows, teaching, args.device)
+        inputs = Inputs({**models, **taught}, {"off": prompts, "search": search_prompts})
     print(
         f"[bench] {len(cases)} case(s); models and data ready after {time.monotonic() - started:.0f} s",
         flush=True,
@@ -431,7 +634,17 @@ def main() -> None:
         records = [{"case": c.label, "status": c.status, "wall_s": c.wall_s, **c.result} for c in cases]
         (args.results / "results.json").write_text(json.dumps(records, indent=1))
 
-    Runner(args, models, data, extra, start_ray(args), report).run(cases)
+    with contextlib.ExitStack() as services:
+        if index is not None:  # stopped when the cases are over, or on an error or an interrupt
+            from tests.helpers import service_process
+
+            serve = ("serve", "--index", str(index), "--log-level", "warning")
+            url, _ = services.enter_context(
+                service_process("services.retrieval_server", *serve, env=CPU_ONLY, timeout_s=300)
+            )
+            inputs = Inputs(inputs.models, inputs.prompts, url)
+            print(f"[bench] retrieval-server at {url} (BM25 over {index})", flush=True)
+        Runner(args, inputs, extra, start_ray(args), report).run(cases)
     print(f"[bench] all cases over after {time.monotonic() - started:.0f} s", flush=True)
 
 

@@ -162,7 +162,8 @@ ANSWERS = ("<answer> 7 </answer>", "<answer> 9 </answer>")  # digits: no letter 
 # max_tool_response_length=SEARCH_RESULT_TOKENS and tool_response_truncate_side=left: the same for every
 # query, so the tiny model meets in training exactly the tokens it meets in the rollouts.
 SEARCH_RESULT_TOKENS = 13
-TRUNCATED_INFORMATION = "\n\n<information>Doc 1(Title: ...(truncated)</information>\n\n"
+# The same cut for the Qwen tokenizer: `Doc 1(Title: "` is its first 7 tokens of every passage here.
+QWEN_SEARCH_RESULT_TOKENS = 7
 
 
 def short_search_row(index: int) -> dict:
@@ -209,6 +210,23 @@ def taught_run_keys(
     ]
 
 
+def search_information(tokenizer, tool_tokens: int) -> list[int]:
+    """The ids the agent loop appends after a search (format search_r1, max_tool_response_length=
+    tool_tokens, truncate side left): `\\n\\n<information>`, the result's first tool_tokens tokens, the
+    cut's marker, `</information>\\n\\n`. Raises ValueError when those tokens differ between the passages
+    of CORPUS (the model would then meet a context it was not taught)."""
+    from trainer.agent.formats import SearchR1Format, Truncation, encode_literal
+
+    starts = set()
+    for passage in CORPUS:  # each as the first line of a result (services/retrieval_server/client.py)
+        title, _, text = passage["contents"].partition("\n")
+        starts.add(tuple(encode_literal(tokenizer, f"Doc 1(Title: {title}) {text}")[:tool_tokens]))
+    if len(starts) != 1:
+        raise ValueError(f"the first {tool_tokens} tokens of a search result differ between passages")
+    cut = Truncation.build(tokenizer, tool_tokens, "left")
+    return SearchR1Format(tokenizer).observation([list(starts.pop()) + cut.head_marker], "")
+
+
 CHUNK = 16  # sequences per forward in fine_tune
 
 
@@ -220,25 +238,31 @@ def teach_search_format(
     lr: float = 5e-3,
     seed: int = 0,
     device: str = "cpu",
+    tool_tokens: int = SEARCH_RESULT_TOKENS,
 ) -> float:
     """Fine-tune the tiny model in `model_dir` (in place) to use Search-R1's format on these verl rows:
     after the prompt it writes `<search> river </search>`, and after the search result (as the loop
-    writes it with SEARCH_RESULT_TOKENS, truncated on the left) it answers `<answer> 7 </answer>` or
-    `<answer> 9 </answer>`, half and half. A random model never calls the tool; this one does, and its
-    answers vary, so GRPO has a signal. Returns the last loss.
+    writes it with max_tool_response_length=tool_tokens, truncated on the left) it answers
+    `<answer> 7 </answer>` or `<answer> 9 </answer>`, half and half. A random model never calls the
+    tool; this one does, and its answers vary, so GRPO has a signal. Returns the last loss.
     """
     from trainer.model import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))  # the trainer's: it keeps the char tokenizer intact
+    information = search_information(tokenizer, tool_tokens)
     pairs: list[tuple[list[int], list[int]]] = []  # (context ids, target ids)
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     for index, row in enumerate(rows):
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        pairs.append((encode(prompt), encode(SEARCH_TURN)))
-        pairs.append((encode(prompt + SEARCH_TURN + TRUNCATED_INFORMATION), encode(ANSWERS[index % 2])))
+        prompt = encode(
+            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        )
+        search = encode(SEARCH_TURN)
+        pairs.append((prompt, search))
+        # ids side by side, as the loop appends them: a BPE tokenizer merges across the joins of the text
+        pairs.append((prompt + search + information, encode(ANSWERS[index % 2])))
     sequences = [(context + target, [0] * len(context) + [1] * len(target)) for context, target in pairs]
     return fine_tune(
         model_dir, sequences, pad_id=tokenizer.pad_token_id, steps=steps, lr=lr, seed=seed, device=device
