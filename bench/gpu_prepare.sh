@@ -4,7 +4,8 @@
 #                  `python -m trainer.main_ppo` with Ray: pydantic, hydra/omegaconf, math-verify, Ray
 #                  (repacked by bench/slim_ray_wheel.py: 41 MB instead of 79, so all fits one carry);
 #                  and for the retrieval-server of `scaling.py --tools search` (a BM25 index):
-#                  fastapi, uvicorn, pydantic-settings, prometheus-client, orjson, bm25s (~1 MB)
+#                  fastapi, uvicorn, pydantic-settings, prometheus-client, orjson, bm25s (~1 MB);
+#                  py-spy for `scaling.py --sample-driver`
 #   .gpu/gsm8k/    GSM8K train.jsonl (from ../shared/data/gsm8k)
 #
 #   bash bench/gpu_prepare.sh                       # here, once (needs PyPI)
@@ -35,6 +36,9 @@ python3 -m pip download -q --no-deps $PLATFORM -d .gpu/wheels \
 python3 -m pip download -q --no-deps $PLATFORM -d .gpu/wheels \
   fastapi starlette annotated-doc opentelemetry-api uvicorn click \
   pydantic-settings python-dotenv prometheus-client orjson bm25s
+# py-spy (a static binary, ~3 MB): `scaling.py --sample-driver` samples each run's driver with it
+# shellcheck disable=SC2086
+python3 -m pip download -q --no-deps $PLATFORM --platform manylinux_2_5_x86_64 -d .gpu/wheels py-spy
 # antlr4 4.9.3 (omegaconf's grammar; latex2sympy2 ships parsers for it too) exists only as an sdist
 python3 -m pip wheel -q --no-deps -w .gpu/wheels "antlr4-python3-runtime==4.9.3"
 # shellcheck disable=SC2086

@@ -324,6 +324,18 @@ def plan(args) -> list[Case]:
     return cases
 
 
+def py_spy() -> str:
+    """py-spy's binary: on PATH, beside this Python, or in the bin/ of a folder on sys.path (where
+    `pip install --target` puts it)."""
+    places = [Path(sys.executable).parent, *(Path(d) / "bin" for d in sys.path if d)]
+    found = shutil.which("py-spy") or next(
+        (str(p / "py-spy") for p in places if (p / "py-spy").exists()), None
+    )
+    if found is None:
+        sys.exit("error: --sample-driver needs py-spy (pip install py-spy; bench/gpu_prepare.sh carries it)")
+    return found
+
+
 def run_command(args, case: Case, inputs: Inputs, run_dir: Path, extra: list[str]) -> list[str]:
     prompts = args.prompts_per_gpu * case.world
     tools = case.variant.tools
@@ -487,6 +499,20 @@ class Runner:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         log = open(self.args.results / f"{case.slug}.log", "w")  # noqa: SIM115 - closed when it ends
         command = run_command(self.args, case, self.inputs, run_dir, self.extra)
+        if self.args.sample_driver:  # py-spy samples the run's driver (bench/trace_summary.py reads it)
+            out = self.args.results / f"{case.slug}.driver.txt"
+            command = [
+                py_spy(),
+                "record",
+                "--threads",
+                "--rate",
+                "200",
+                "-f",
+                "raw",
+                "-o",
+                str(out),
+                "--",
+            ] + command
         process = subprocess.Popen(
             command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -591,6 +617,11 @@ def main() -> None:
         "--ab-gpus", default=None, help="GPU counts of the non-main variants (default: fewest)"
     )
     parser.add_argument("--parallel", action="store_true", help="run cases side by side when their GPUs fit")
+    parser.add_argument(
+        "--sample-driver",
+        action="store_true",
+        help="py-spy samples each run's driver: <results>/<case>.driver.txt",
+    )
     parser.add_argument(
         "--budget-s", type=float, default=None, help="stop starting (and stop) cases after this"
     )

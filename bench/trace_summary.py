@@ -1,6 +1,8 @@
-"""Where a profiled step's time went on each rank, from the Chrome traces `trainer.profile_steps` writes.
+"""Where a profiled step's time went on each rank, from the Chrome traces `trainer.profile_steps` writes,
+and where a driver's time went, from py-spy's raw samples (`bench/scaling.py --sample-driver`).
 
     python bench/trace_summary.py <run>/profile/step_3_policy_rank0.json [more traces ...]
+    python bench/trace_summary.py <results>/0.5b_x4.driver.txt [--within collect_batch]
 
 For every trace: the step's span, and for each phase (the `rank.<method>` ranges a Ray rank's calls are
 recorded under, trainer/parallel/placement.py; the time outside them is generation and waiting for the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -91,14 +94,35 @@ def summarize(path: Path) -> list[dict]:
     return out
 
 
+def summarize_samples(path: Path, within: str, top: int = 12) -> list[str]:
+    """py-spy's raw output ("thread;frame;...;frame count" per line): per thread, the samples whose stack
+    passes through `within` (every sample when empty), and the innermost frames holding most of them."""
+    threads: dict[str, Counter] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not count.isdigit() or (within and not any(within in frame for frame in frames)):
+            continue
+        threads.setdefault(frames[0], Counter())[frames[-1]] += int(count)
+    lines = []
+    for thread, leaves in sorted(threads.items(), key=lambda item: -item[1].total()):
+        lines.append(f"  {thread}: {leaves.total()} samples")
+        lines += [f"    {n:>7}  {frame}" for frame, n in leaves.most_common(top)]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--within", default="", help="py-spy samples: only stacks through this function")
     args = parser.parse_args()
     for path in args.traces:
         print(f"\n{path}")
+        if path.suffix == ".txt":  # py-spy's raw samples
+            print("\n".join(summarize_samples(path, args.within)))
+            continue
         print(f"  {'phase':<38}{'wall ms':>10}{'GPU busy':>10}{'NCCL':>9}{'GPU idle':>10}{'CPU/GPU':>9}")
         for row in summarize(path):
             print(

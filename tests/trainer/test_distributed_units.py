@@ -21,6 +21,16 @@ from trainer.packing import (
 from trainer.rollout.base import Rollout
 
 
+def test_ranks_get_nccl_settings_this_checkout_and_the_drivers_allocator_settings(monkeypatch):
+    from trainer.parallel.placement import rank_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    env = rank_env()
+    assert env["NCCL_NVLS_ENABLE"] == "0" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert rank_env()["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
 def test_balanced_partition_gives_equal_counts_and_even_tokens():
     # sorted heaviest first: 10 -> g0, 10 -> g1, 5 -> g0 (15), 5 -> g1 (15), 1 -> g0 (16), 1 -> g1 (16)
     weights = [10, 1, 1, 10, 5, 5]

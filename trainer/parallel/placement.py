@@ -59,7 +59,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> s
     if ray.is_initialized():
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": {**NCCL_ENV, **_python_path()}}
+    runtime_env = {"env_vars": rank_env()}
     if address is None:
         try:  # a cluster started with `ray start` on this node (the job group's trainer task)
             ray.init(address="auto", runtime_env=runtime_env, log_to_driver=True)
@@ -77,6 +77,18 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> s
         return "started a local Ray cluster"
     ray.init(address=address, runtime_env=runtime_env)
     return f"joined the Ray cluster at {address}"
+
+
+# The driver's settings of these reach its ranks too: the allocator's, which the ranks need more than it
+# does (e.g. expandable_segments, so that the KV cache and the training passes share pages).
+PASSED_TO_RANKS = ("PYTORCH_CUDA_ALLOC_CONF",)
+
+
+def rank_env() -> dict[str, str]:
+    """The environment every Ray worker of this run gets: NCCL_ENV, this checkout on PYTHONPATH, and the
+    driver's PASSED_TO_RANKS settings."""
+    passed = {name: os.environ[name] for name in PASSED_TO_RANKS if name in os.environ}
+    return {**NCCL_ENV, **_python_path(), **passed}
 
 
 def _python_path() -> dict[str, str]:
