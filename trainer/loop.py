@@ -7,7 +7,8 @@ One step, whatever the algorithm:
                   servers) as they have room; [multi_turn] the agent loop's trajectories call their
                   tools (retrieval-server, code-executor) between turns, each on one replica
     scores     <- each prompt's group scored as soon as its samples are back (reward-server over HTTP,
-                  or the same scorers in-process), overlapped with the rest of the generation
+                  or the same scorers in-process), overlapped with the rest of the generation; the
+                  groups that come back together are decoded and scored together
     [DAPO]        drop the groups whose rewards do not vary, generate again until full
     [drop_group]  drop the groups with a failed tool call (unscored), generate again until full
     old/ref logprobs, critic values                         (old logprobs skipped when exactly on-policy
