@@ -232,6 +232,24 @@ def test_weight_stream_yields_every_tensor_once_gathered_in_buckets(model_dir):
     assert SINGLE_PROCESS.sum_floats(1.5, 2.0) == [1.5, 2.0]
 
 
+def test_the_weight_sync_gathers_a_sharded_model_group_by_group_with_the_same_tensors(model_dir):
+    """iter_gathered (FSDP2's unshard, one collective a decoder layer) yields what iter_full_state (one
+    collective a tensor) does, tied names included, and leaves the model sharded."""
+    from trainer.parallel.distributed import local_data_parallel
+    from trainer.parallel.fsdp import FSDPSettings, iter_gathered, shard_model
+
+    cpu = torch.device("cpu")
+    model = shard_model(load_policy(str(model_dir)), local_data_parallel(cpu), FSDPSettings(), cpu)
+    expected = dict(iter_full_state(model, torch.bfloat16))
+    gathered = list(iter_gathered(model, torch.bfloat16))
+    assert sorted(name for name, _ in gathered) == sorted(expected)
+    for name, tensor in gathered:
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name]), name
+    by_name = dict(gathered)
+    assert by_name["lm_head.weight"] is by_name["model.embed_tokens.weight"]  # tied: gathered once
+    assert all(hasattr(p, "full_tensor") for p in model.parameters())  # every group resharded
+
+
 def test_flash_attention_dtype_under_autocast():
     # Under bf16 autocast the rotary embedding leaves q and k in fp32 beside a bf16 v; flash attention
     # takes half precision only, so the packed path casts to autocast's dtype (as SDPA would run) rather

@@ -245,6 +245,44 @@ def iter_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> Itera
         yield name, whole
 
 
+def iter_gathered(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """iter_full_state's (name, whole tensor) pairs, gathered a whole FSDP group at a time: FSDP2's
+    `unshard()`, one all-gather of a decoder layer's parameters in the gather dtype, where full_tensor()
+    makes one collective, and its host work, per tensor (~290 for a 0.5B model: the weight sync was
+    host-bound, 53 ms on one GPU and 167 on four). Each tensor is a copy, as a group is resharded before
+    the next is gathered. A collective; a model that is not sharded goes through iter_full_state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield from iter_full_state(model, dtype)
+        return
+    state = model.state_dict(keep_vars=True)
+    names_of: dict[int, list[str]] = {}  # tied tensors (embeddings and LM head) share one entry
+    for name, tensor in state.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    groups = [(prefix, module) for prefix, module in model.named_modules() if isinstance(module, FSDPModule)]
+    owner = {}  # each tensor's group: the deepest one whose prefix holds its (first) name
+
+    def group_of(name: str) -> int:
+        return max((i for i, (prefix, _) in enumerate(groups) if not prefix or name.startswith(prefix + ".")),
+                   key=lambda i: len(groups[i][0]))  # fmt: skip
+
+    for names in names_of.values():
+        owner.setdefault(group_of(names[0]), []).append(names)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for index, (_, module) in enumerate(groups):
+            module.unshard()
+            try:
+                for names in owner.get(index, []):
+                    whole = model.get_parameter(names[0]) if names[0] in parameters else state[names[0]]
+                    copy = whole.detach().to(dtype or whole.dtype, copy=True)
+                    for name in names:
+                        yield name, copy
+            finally:
+                module.reshard()
+
+
 def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[dict[str, Tensor]]:
     """Group consecutive (name, tensor) pairs into dicts of at most ~max_bytes (one tensor may exceed it)."""
     bucket: dict[str, Tensor] = {}

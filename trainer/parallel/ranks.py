@@ -9,8 +9,8 @@ policy, the colocated rollout engine and the weight sync into it.
 
 Rollout (colocated): every policy rank runs a rollout engine on its own whole copy of the model
 (trainer/workers/engines.py) and serves it as a replica of the driver's rollout manager. After an
-update, the ranks gather the policy's parameters tensor by tensor (`iter_full_state`, a collective) and
-hand them to their engine in buckets of ~256 MB. Separate rollout servers (SGLang's HTTP API) get the
+update, the ranks gather the policy's parameters a decoder layer at a time (`iter_gathered`, FSDP2's
+unshard: a collective) and hand them to their engine in buckets of ~256 MB. Separate rollout servers (SGLang's HTTP API) get the
 weights as a checkpoint folder that rank 0 writes (`save_hf_weights`).
 """
 
@@ -33,6 +33,7 @@ from trainer.parallel.fsdp import (
     buckets,
     compute_device,
     iter_full_state,
+    iter_gathered,
     shard_model,
 )
 from trainer.model import load_critic, load_policy, load_reference, load_tokenizer
@@ -208,7 +209,7 @@ class PolicyRank(_Checkpointed):
         """Copy the current policy into this rank's engine (a collective); returns the seconds it took."""
         start = time.perf_counter()
         with self.offloader.on_device():
-            for bucket in buckets(iter_full_state(self.trained.model, self.replica.dtype), SYNC_BUCKET_BYTES):
+            for bucket in buckets(iter_gathered(self.trained.model, self.replica.dtype), SYNC_BUCKET_BYTES):
                 self.replica.load_weights_now(bucket)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
