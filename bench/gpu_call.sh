@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of issues 13, 14 and 15 on ONE 4-GPU machine, each stage on its own GPUs:
-#   GPUs 0,1  bench/learning.py: SmolLM2-135M on GSM8K, ours and TRL's GRPOTrainer at once, same budget
+# The GPU measurements of issues 13 and 14 on ONE 4-GPU machine, each stage on its own GPUs (the learning
+# runs have their own detached start / wait now: bench/learning.py's docstring):
 #   GPU 2     bench/search_r1.py (tool calls on vs off), then bench/step_vs_trl.py (ours vs TRL, one step)
 #   GPU 3     bench/actor_mfu.py (where the actor update's MFU goes), then bench/rollout.py
 # The machine is offline and a call carries at most 64 MiB, so the inputs come in calls made in quick
@@ -40,14 +40,6 @@ setup() {
   mkdir -p runs/carry/wiki && cp /tmp/wheels/*.jsonl runs/carry/wiki/
 }
 
-learning() {
-  python3 bench/learning.py prepare --gguf /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf --gsm8k $GSM8K &&
-    CUDA_VISIBLE_DEVICES=0 python3 bench/learning.py base &&
-    python3 bench/learning.py arms --gpus 0,1 --budget-s "$BUDGET_S" --points 3
-  python3 bench/learning.py report
-  copy_small runs/learning "$RESULTS/learning"
-}
-
 search_then_step() {
   export CUDA_VISIBLE_DEVICES=2
   python3 bench/search_r1.py --qa runs/carry/wiki/hotpot_dev100_qa.jsonl \
@@ -74,12 +66,11 @@ mfu_then_rollout() {
 
 stages() {
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-  learning > "$RESULTS/learning.log" 2>&1 &
   search_then_step > "$RESULTS/search_step.log" 2>&1 &
   mfu_then_rollout > "$RESULTS/mfu_rollout.log" 2>&1 &
-  (while sleep 30; do copy_small runs/learning "$RESULTS/learning"; copy_small /tmp/search_r1 "$RESULTS/search_r1"; done) &
+  (while sleep 30; do copy_small /tmp/search_r1 "$RESULTS/search_r1"; done) &
   local copier=$!
-  wait -n; wait -n; wait -n
+  wait -n; wait -n
   kill $copier
   date > "$RESULTS/DONE"
 }
