@@ -10,8 +10,8 @@ policy, the colocated rollout engine and the weight sync into it.
 Rollout (colocated): every policy rank runs a rollout engine on its own whole copy of the model
 (trainer/workers/engines.py) and serves it as a replica of the driver's rollout manager. After an
 update, the ranks gather the policy's parameters a decoder layer at a time (`iter_gathered`, FSDP2's
-unshard: a collective) and hand them to their engine in buckets of ~256 MB. Separate rollout servers (SGLang's HTTP API) get the
-weights as a checkpoint folder that rank 0 writes (`save_hf_weights`).
+unshard: a collective) and hand them to their engine in buckets of ~256 MB. Separate rollout servers
+(SGLang's HTTP API) get the weights as a checkpoint folder that rank 0 writes (`save_hf_weights`).
 """
 
 from __future__ import annotations
