@@ -264,8 +264,8 @@ def iter_gathered(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
     owner = {}  # each tensor's group: the deepest one whose prefix holds its (first) name
 
     def group_of(name: str) -> int:
-        return max((i for i, (prefix, _) in enumerate(groups) if not prefix or name.startswith(prefix + ".")),
-                   key=lambda i: len(groups[i][0]))  # fmt: skip
+        holders = [i for i, (prefix, _) in enumerate(groups) if not prefix or name.startswith(prefix + ".")]
+        return max(holders, key=lambda i: len(groups[i][0]))
 
     for names in names_of.values():
         owner.setdefault(group_of(names[0]), []).append(names)

@@ -215,9 +215,7 @@ class RankActor:
         pending = set(position)
         while pending:
             done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            yield [
-                (position[f], None if f.exception() is not None else f.result(), f.exception()) for f in done
-            ]
+            yield [(position[f], *_outcome(f)) for f in done]
 
     def _replica_loop(self) -> asyncio.AbstractEventLoop:
         with self.loop_lock:
@@ -471,6 +469,12 @@ def rank_failure(
     if isinstance(exc, RayActorError):
         return rank, f"its process died on {where}: {reason}"
     return rank, f"on {where}: {reason}"
+
+
+def _outcome(future: concurrent.futures.Future) -> tuple[Any, BaseException | None]:
+    """(result, None) or (None, the error) of a finished future."""
+    error = future.exception()
+    return (None, error) if error is not None else (future.result(), None)
 
 
 def _first_line(exc: BaseException) -> str:
