@@ -12,7 +12,8 @@ final answer after "####".", chat template applied) and verl's strict GSM8K rewa
   ours          our trainer at trainer/configs/grpo_smollm2_gsm8k.yaml (lr 1e-5, constant)
   trl           TRL's GRPOTrainer at GRPOConfig's documented default learning rate (1e-6 in TRL 1.16,
                 read from the installed package): it diverged at 1e-5 (NaN grad norm near step 15) in
-                both earlier runs, so it gets its own setting too
+                both earlier runs, so it gets its own setting too. Both arms then met a NaN gradient at
+                the same step (17), so the harness skips such a step (no update) and counts it
   trl-ours-lr   TRL's GRPOTrainer at the recipe's lr
 Both TRL arms take the recipe's other settings mapped onto GRPOConfig (prompts per step, n, mini- and
 micro-batches, constant lr, lengths, clip, no KL). TRL generates with its own transformers path (vLLM,
@@ -75,7 +76,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -99,6 +99,7 @@ ARMS = ("ours", "trl", "trl-ours-lr")
 LABELS = {"ours": "ours", "trl": "TRL GRPOTrainer, its default lr", "trl-ours-lr": "TRL GRPOTrainer, our lr"}
 POINT_KEYS = ("mark", "step", "clock_s", "accuracy", "correct", "n")
 SCORE_KEYS = ("accuracy", "correct", "n", "mean_response_tokens", "eval_s")
+MAX_SKIPPED_IN_A_ROW = 5  # TRL steps with a non-finite gradient, skipped, before the arm is stopped
 GSM8K_AIM_POINTS = 2.0  # ours >= base + 2 points at every point after the first (and above TRL's best)
 SYNTHETIC_AIM_POINTS = 20.0  # ours ends >= base + 20 points
 SYNTHETIC_AIM_SHARE = 1 / 3  # ours reaches TRL's final accuracy within a third of the budget
@@ -677,7 +678,8 @@ def arm_env(ctx: argparse.Namespace) -> dict:
 
 def train_trl(ctx: argparse.Namespace, run: Path, s: Shared, lr: float) -> int | None:
     """TRL's GRPOTrainer with the recipe's settings at `lr`, stopped by a step clock like ours; publishes
-    its points and appends its steps to run/steps.jsonl. Returns the step it diverged at, if it did."""
+    its points and appends its steps to run/steps.jsonl. Returns the divergence record: the steps whose
+    gradient was not finite and were skipped, and the step it stopped at if that kept happening."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -730,12 +732,13 @@ def train_trl(ctx: argparse.Namespace, run: Path, s: Shared, lr: float) -> int |
     )
     trainer.train()
     del trainer
-    return clock.diverged_at
+    return {"diverged_at_step": clock.diverged_at, "nonfinite_steps_skipped": clock.skipped}
 
 
 def step_clock(run: Path, mark_list: list[float]):
     """A TrainerCallback: training seconds between on_step_begin and on_step_end; publishes the weights
     of the last step before each mark and stops before a step would cross the budget."""
+    import torch
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
@@ -744,6 +747,8 @@ def step_clock(run: Path, mark_list: list[float]):
             self.pending = list(enumerate(mark_list, 1))
             self.saved_step: int | None = None
             self.diverged_at: int | None = None
+            self.skipped: list[int] = []  # optimizer steps whose gradient was not finite
+            self.skipped_in_a_row = 0
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begun = time.monotonic()
@@ -762,16 +767,29 @@ def step_clock(run: Path, mark_list: list[float]):
                     self.saved_step = state.global_step
             control.should_training_stop = not self.pending
 
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            # A NaN gradient norm (both TRL arms met one at the same step whatever their lr, so a batch
+            # rather than the lr) would leave NaN weights through the clipping's NaN scale. The step is
+            # skipped instead, as mixed-precision trainers skip an overflowed step: no gradient, so AdamW
+            # leaves every weight and moment as it was. Clipping scaled every gradient by the same factor,
+            # so one tensor tells. Several in a row means the weights themselves went bad: stop there.
+            grads = [p.grad for p in kwargs["model"].parameters() if p.grad is not None]
+            if grads and not bool(torch.isfinite(grads[0]).all()):
+                for param in kwargs["model"].parameters():
+                    param.grad = None
+                self.skipped.append(state.global_step + 1)
+                self.skipped_in_a_row += 1
+                if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    self.diverged_at = state.global_step + 1
+                    control.should_training_stop = True
+            else:
+                self.skipped_in_a_row = 0
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 row = {"step": state.global_step, "clock_s": self.clock, "reward": logs["reward"]}
                 with (run / "steps.jsonl").open("a") as handle:
                     handle.write(json.dumps(row) + "\n")
-            # A NaN gradient norm leaves NaN weights: the next generation would crash on a device-side
-            # assert. The curve ends at the last published point.
-            if logs and not math.isfinite(float(logs.get("grad_norm", 0.0) or 0.0)):
-                self.diverged_at = state.global_step
-                control.should_training_stop = True
 
     return StepClock()
 
@@ -802,16 +820,16 @@ def run_arm(ctx: argparse.Namespace, arm: str, s: Shared) -> None:
         lr = arm_lr(arm, s)
         if arm == "ours":
             train_ours(ctx, run)
-            diverged_at = None
+            divergence = {}
         else:
-            diverged_at = train_trl(ctx, run, s, lr)
+            divergence = train_trl(ctx, run, s, lr)
         result = {
             "arm": arm,
             "lr": lr,
             "budget_s": ctx.budget_s,
             "marks": ctx.points,
             "settings": asdict(s),
-            "diverged_at_step": diverged_at,
+            **divergence,
             "train_wall_s": time.monotonic() - started,
             "device": device_name(ctx.device),
         }
@@ -1037,6 +1055,8 @@ def print_progress(results: dict, alive: bool) -> None:
         scored = [p for p in info["points"] if "accuracy" in p]
         curve = ", ".join(f"{p['clock_s']:.0f}s {100 * p['accuracy']:.2f}%" for p in scored)
         diverged = f", diverged at step {info['diverged_at_step']}" if info.get("diverged_at_step") else ""
+        if info.get("nonfinite_steps_skipped"):
+            diverged += f", non-finite gradient skipped at steps {info['nonfinite_steps_skipped']}"
         reward = "-" if last["reward"] is None else f"{last['reward']:.3f}"
         print(
             f"  {arm:<12} {info['state']}{diverged}: step {last['step']}, clock {last['clock_s']:.0f}/"
@@ -1170,6 +1190,7 @@ def summarize(results: dict) -> dict | None:
             "gain_points": None if final is None else 100 * (final - base["accuracy"]),
             "steps_logged": len(info["steps"]),
             "diverged_at_step": info.get("diverged_at_step"),
+            "nonfinite_steps_skipped": info.get("nonfinite_steps_skipped", []),
             "train_wall_s": info.get("train_wall_s"),
         }
     if results["task"] == "gsm8k":

@@ -266,9 +266,14 @@ def kl_controller(kl_ctrl) -> KLController:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The run's device, with its index: a bare "cuda" means this process's current GPU (the one Ray or
+    CUDA_VISIBLE_DEVICES gave it), since torch.cuda.set_device refuses a CUDA device without one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def seed_everything(seed: int) -> None:

@@ -110,6 +110,31 @@ def test_published_points_skip_a_line_being_written(tmp_path):
     assert learning.published(tmp_path) == [learning.Point(1, 5, 40.0, "w/step_5")]
 
 
+def test_trl_step_with_a_nan_gradient_is_skipped_and_a_run_of_them_stops_the_arm(tmp_path):
+    import torch
+    from transformers import TrainerControl, TrainerState
+
+    model = torch.nn.Linear(3, 2)
+    clock = learning.step_clock(tmp_path, [100.0])
+    state, control = TrainerState(), TrainerControl()
+
+    def step(grad_value: float) -> None:
+        for param in model.parameters():
+            param.grad = torch.full_like(param, grad_value)
+        clock.on_pre_optimizer_step(None, state, control, model=model)
+        state.global_step += 1
+
+    step(0.5)
+    assert all(p.grad is not None for p in model.parameters()) and clock.skipped == []
+    step(float("nan"))
+    assert all(p.grad is None for p in model.parameters())  # AdamW leaves these weights alone
+    assert clock.skipped == [2] and not control.should_training_stop
+    step(0.5)
+    for _ in range(learning.MAX_SKIPPED_IN_A_ROW):
+        step(float("nan"))
+    assert control.should_training_stop and clock.diverged_at == state.global_step
+
+
 def test_trl_arms_learning_rates():
     s = learning.shared_settings(learning.load_recipe(learning.RECIPE, []))
     assert learning.arm_lr("trl", s) == 1e-6  # GRPOConfig's documented default (TRL 1.16)
