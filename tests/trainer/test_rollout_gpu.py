@@ -10,6 +10,7 @@ import torch
 
 from tests.trainer.test_rollout_engine import QUESTIONS, encode, engine_for, hf_greedy, varied_model
 from tests.trainer.test_rollout_kernels import check_fused_engine, check_kernels
+from trainer.rollout.builtin import kernels
 from trainer.batch import TrainBatch
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.metrics import rollout_logprob_gap
@@ -25,6 +26,43 @@ def test_compiled_kernels_match_the_torch_path():
 
 def test_graphs_and_fused_path_reproduce_transformers_greedy_in_fp32():
     check_fused_engine("cuda")
+
+
+if kernels.triton is not None:
+    from trainer.rollout.builtin.kernels import _inverse_cdf, tl
+
+    @kernels.triton.jit
+    def _aim_at_the_rounding_gap(logits_ptr, token_ptr, gap_ptr, BLOCK: tl.constexpr):
+        """One block a row: the target set to the end of the block's own cumulative scan, which a tree
+        sum of the same masses can exceed by rounding (then gap = 1)."""
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * BLOCK
+        raw = tl.load(base + tl.arange(0, BLOCK)).to(tl.float32)
+        top = tl.max(raw, 0)
+        mass = tl.where(raw >= float("-inf"), tl.exp(raw - top), 0.0)  # as _inverse_cdf computes it
+        scan_end = tl.max(tl.cumsum(mass, 0), 0)
+        tl.store(gap_ptr + row, (scan_end < tl.sum(mass, 0)).to(tl.int32))
+        token = _inverse_cdf(base, scan_end, float("-inf"), 1.0, top, 0, BLOCK, BLOCK)
+        tl.store(token_ptr + row, token.to(tl.int64))
+
+
+def test_sampling_never_picks_past_the_vocabulary_when_the_scan_and_the_sum_round_apart():
+    """A block's masses summed by a tree (tl.sum) and by a scan (tl.cumsum) round apart. The kernel
+    once judged "the draw falls in this block" by the sum and picked the entry by the scan; a target
+    between the two matched no entry and it wrote `vocab`, one past the table: a device-side assert at
+    the next step's embedding lookup (step 77 of a GSM8K run, a few million draws in). Aimed at that
+    gap, every pick must still be a real entry."""
+    rows, block = 4096, kernels.SAMPLE_CONFIG["BLOCK"]
+    logits = (torch.randn(rows, block, generator=torch.Generator().manual_seed(0)) * 3).to(
+        "cuda", torch.bfloat16
+    )
+    tokens = torch.empty(rows, dtype=torch.int64, device="cuda")
+    gap = torch.empty(rows, dtype=torch.int32, device="cuda")
+    _aim_at_the_rounding_gap[(rows,)](
+        logits, tokens, gap, BLOCK=block, num_warps=kernels.SAMPLE_CONFIG["num_warps"]
+    )
+    assert int(gap.sum()) > 0  # the rounding gap is there to aim at
+    assert 0 <= int(tokens.min()) and int(tokens.max()) < block
 
 
 def test_graph_replay_equals_eager_in_bf16():

@@ -192,24 +192,27 @@ if triton is not None:
         tl.store(target, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
     @triton.jit
-    def _inverse_cdf(
-        base, seed, kept_mass, floor, inv_t, top, fallback, vocab: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        """Pass 2 of sampling: the first kept entry whose cumulative mass exceeds u * (total kept mass)."""
-        draws = tl.rand(seed, tl.arange(0, 2))
-        target = tl.sum(tl.where(tl.arange(0, 2) == 0, draws, 0.0), 0) * kept_mass
+    def _inverse_cdf(base, target, floor, inv_t, top, fallback, vocab: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 2 of sampling: the first kept entry whose cumulative mass (exp(z - top)) exceeds target."""
         running = target * 0.0
         sampled = fallback
         for start in range(0, vocab, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             raw = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
             mass = tl.where(raw >= floor, tl.exp(raw * inv_t - top), 0.0)
-            block_mass = tl.sum(mass, 0)
             cumulative = running + tl.cumsum(mass, 0)
-            candidate = tl.min(tl.where((cumulative > target) & (mass > 0), idx, vocab), 0)
-            crossing = (running <= target) & (running + block_mass > target)
+            # The block's end is read off the same scan that picks the entry: a tree-reduced tl.sum
+            # rounds differently, and when it said "the target falls in this block" while the scan
+            # ended a hair below it, no entry qualified and the kernel wrote `vocab`, one past the
+            # table (a device-side assert at the next step's embedding lookup, once in millions of
+            # draws). The last kept entry stays as the pick for any rounding left over.
+            block_end = tl.max(cumulative, 0)
+            first = tl.min(tl.where((cumulative > target) & (mass > 0), idx, vocab), 0)
+            last_kept = tl.max(tl.where(mass > 0, idx, -1), 0)
+            candidate = tl.where(first < vocab, first, last_kept)
+            crossing = (running <= target) & (block_end > target)
             sampled = tl.where(crossing, candidate, sampled)
-            running = running + block_mass
+            running = block_end
         return sampled
 
     @triton.jit
@@ -260,10 +263,10 @@ if triton is not None:
         lse = top + tl.log(tl.sum(lane_all * weight, 0))
         token = tl.min(tl.where(lane_max == top, lane_best, vocab), 0)
         if not ALL_GREEDY:
-            mass = tl.sum(lane_kept * weight, 0)
-            sampled = _inverse_cdf(
-                base, tl.load(seed_ptr + row), mass, floor, inv_t, top, token, vocab, BLOCK
-            )
+            draws = tl.rand(tl.load(seed_ptr + row), tl.arange(0, 2))
+            u = tl.sum(tl.where(tl.arange(0, 2) == 0, draws, 0.0), 0)
+            target = u * tl.sum(lane_kept * weight, 0)  # u of the kept mass
+            sampled = _inverse_cdf(base, target, floor, inv_t, top, token, vocab, BLOCK)
             token = tl.where(greedy, token, sampled)
         chosen = tl.load(base + token).to(tl.float32) * inv_t
         tl.store(token_ptr + row, token.to(tl.int64))
