@@ -3,9 +3,16 @@
 Starts `python -m services.retrieval_server serve` as its own process on a loopback port, over a flat
 MiniLM index of the SQuAD dev corpus (../shared/data/wiki; built once into --work-dir) with the
 service's default embedder and settings (the access log off). This process then drives it as a
-trainer's agents would: at each level, N concurrent clients, each an httpx.AsyncClient of its own
-holding one keep-alive connection, each sending one SQuAD question per POST /retrieve (top 3), back to
-back. Every client first sends one untimed request (its connection opens), then all start together and
+trainer's agents would: at each level, N concurrent clients, each sending one SQuAD question per
+POST /retrieve (top 3), back to back, each over a keep-alive connection of its own. --client says
+how the clients hold their connections (all of them open N connections, one per client):
+
+- own:     an httpx.AsyncClient per client (one connection each);
+- threads: a thread per client, each with its own httpx.Client (sync);
+- shared:  one httpx.AsyncClient for all, its pool holding N keep-alive connections;
+- service: one of the project's RetrievalClient for all (max_connections=N), as a user would.
+
+Every client first sends one untimed request (its connection opens), then all start together and
 send --requests-per-client timed requests each (20: 1,280 requests at 64 clients, at least 200 a
 level). --runs repeats the sweep on the same server.
 
@@ -19,7 +26,7 @@ The aim: throughput at 64 clients >= 90% of that at 32, and p99 at 64 <= 2.5x p9
 medians of the runs.
 
     python bench/retrieval_server.py [--levels 1,8,32,64] [--requests-per-client 20] [--runs 2]
-        [--index DIR] [--server-arg=--max-wait-ms=5 ...]
+        [--client own|threads|shared|service] [--index DIR] [--server-arg=--max-wait-ms=5 ...]
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ import asyncio
 import json
 import os
 import re
+import contextlib
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +54,7 @@ WIKI = next(
     ROOT.parent / "shared" / "data" / "wiki",
 )
 
+from services.retrieval_server.client import RetrievalClient
 from tests.helpers import service_process
 
 MIN_REQUESTS = 200  # per level, so the p99 of a small level is not its single slowest request
@@ -95,28 +105,94 @@ class Gate:
         await self.opened.wait()
 
 
-async def client(url: str, pool: list[str], first: int, timed: int, gate: Gate) -> list[float]:
-    """One agent: its own connection, one warm-up request, then `timed` requests; their latencies."""
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+def payload(query: str) -> dict:
+    return {"queries": [query], "topk": 3, "return_scores": True}
+
+
+def checked(response: httpx.Response) -> None:
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+
+
+async def agent(retrieve, pool: list[str], first: int, timed: int, gate: Gate) -> list[float]:
+    """One client: one warm-up request, then `timed` requests, one query each; their latencies."""
     latencies = []
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        for i in range(timed + 1):
-            if i == 1:
-                await gate.pass_()
-            payload = {"queries": [pool[(first + i) % len(pool)]], "topk": 3, "return_scores": True}
-            sent = time.perf_counter()
-            response = await http.post("/retrieve", json=payload)
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            latencies.append(time.perf_counter() - sent)
+    for i in range(timed + 1):
+        if i == 1:
+            await gate.pass_()
+        sent = time.perf_counter()
+        await retrieve(pool[(first + i) % len(pool)])
+        latencies.append(time.perf_counter() - sent)
     return latencies[1:]
 
 
-async def load_level(url: str, clients: int, per_client: int, pool: list[str], snapshot) -> list[float]:
+async def senders(stack: contextlib.AsyncExitStack, kind: str, url: str, clients: int) -> list:
+    """One `retrieve(query)` per client, holding its connection as `kind` says."""
+
+    def over(http: httpx.AsyncClient):
+        async def retrieve(query: str) -> None:
+            checked(await http.post("/retrieve", json=payload(query)))
+
+        return retrieve
+
+    if kind == "own":
+        # one TLS context for all: an httpx client builds its own otherwise (~45 ms of CPU each)
+        verify = httpx.create_ssl_context()
+        one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        opened = []
+        for _ in range(clients):
+            http = httpx.AsyncClient(base_url=url, timeout=120, limits=one, verify=verify)
+            opened.append(await stack.enter_async_context(http))
+        return [over(http) for http in opened]
+    if kind == "shared":
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        http = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=120, limits=limits))
+        return [over(http)] * clients
+    service = await stack.enter_async_context(
+        RetrievalClient(url, timeout_s=120, retries=0, max_connections=clients)
+    )
+
+    async def retrieve(query: str) -> None:
+        await service.retrieve([query], topk=3)
+
+    return [retrieve] * clients
+
+
+async def load_level(
+    url: str, kind: str, clients: int, per_client: int, pool: list[str], snapshot
+) -> list[float]:
     """Latencies of every timed request; `snapshot()` runs once when the clock starts."""
     gate = Gate(clients, snapshot)
-    runs = [client(url, pool, c * (per_client + 1), per_client, gate) for c in range(clients)]
-    return [x for r in await asyncio.gather(*runs) for x in r]
+    async with contextlib.AsyncExitStack() as stack:
+        retrieves = await senders(stack, kind, url, clients)
+        runs = [agent(r, pool, c * (per_client + 1), per_client, gate) for c, r in enumerate(retrieves)]
+        return [x for r in await asyncio.gather(*runs) for x in r]
+
+
+def load_level_threads(url: str, clients: int, per_client: int, pool: list[str], snapshot) -> list[float]:
+    """As load_level, each client a thread with its own httpx.Client."""
+    gate = threading.Barrier(clients, action=snapshot)
+    latencies: list[float] = []
+
+    def run(first: int) -> None:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        with httpx.Client(base_url=url, timeout=120, limits=limits) as http:
+            for i in range(per_client + 1):
+                if i == 1:
+                    gate.wait()
+                sent = time.perf_counter()
+                checked(http.post("/retrieve", json=payload(pool[(first + i) % len(pool)])))
+                if i:
+                    latencies.append(time.perf_counter() - sent)  # list.append is atomic
+
+    threads = [threading.Thread(target=run, args=(c * (per_client + 1),)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(latencies) != clients * per_client:
+        raise RuntimeError("a client thread failed (its error is printed above)")
+    return latencies
 
 
 METRICS = {
@@ -157,13 +233,18 @@ def counters(url: str, pid: int) -> dict[str, float]:
     }
 
 
-def run_level(url: str, pid: int, clients: int, per_client: int, pool: list[str]) -> dict:
+def run_level(url: str, pid: int, kind: str, clients: int, per_client: int, pool: list[str]) -> dict:
     per_client = max(per_client, -(-MIN_REQUESTS // clients))
     at_start = {}
-    # the snapshot blocks this process's event loop for a moment; every client is waiting at the gate then
-    latencies = asyncio.run(
-        load_level(url, clients, per_client, pool, lambda: at_start.update(counters(url, pid)))
-    )
+
+    def snapshot() -> None:
+        at_start.update(counters(url, pid))
+
+    # the snapshot blocks the clients for a moment; every client is waiting at the gate then
+    if kind == "threads":
+        latencies = load_level_threads(url, clients, per_client, pool, snapshot)
+    else:
+        latencies = asyncio.run(load_level(url, kind, clients, per_client, pool, snapshot))
     at_end = counters(url, pid)
     delta = {k: at_end[k] - at_start[k] for k in at_end}
     elapsed = delta["time"]
@@ -235,6 +316,12 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,32,64", help="Client counts, comma-separated.")
     parser.add_argument("--requests-per-client", type=int, default=20, help="Timed requests per client.")
     parser.add_argument("--runs", type=int, default=2, help="Sweeps over the levels, same server.")
+    parser.add_argument(
+        "--client",
+        choices=("own", "threads", "shared", "service"),
+        default="own",
+        help="How the clients hold their connections (see the module docstring).",
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/retrieval_bench"))
     parser.add_argument("--index", type=Path, default=None, help="Serve this index folder instead.")
     parser.add_argument(
@@ -250,13 +337,18 @@ def main() -> None:
     serve = ["serve", "--index", str(index), "--log-level", "warning", *args.server_arg]
     rows = []
     with service_process("services.retrieval_server", *serve, timeout_s=300) as (url, server):
-        print(json.dumps({"health": httpx.get(url + "/health").json(), "server_args": args.server_arg}))
+        health = httpx.get(url + "/health").json()
+        print(json.dumps({"health": health, "client": args.client, "server_args": args.server_arg}))
         for run in range(args.runs):
             for clients in levels:
-                row = {"run": run + 1, **run_level(url, server.pid, clients, args.requests_per_client, pool)}
+                level = run_level(url, server.pid, args.client, clients, args.requests_per_client, pool)
+                row = {"run": run + 1, **level}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    print(f"\n{os.cpu_count()} cores; load average {os.getloadavg()}; median (min–max) of {args.runs} runs")
+    print(
+        f"\n{os.cpu_count()} cores; load average {os.getloadavg()}; client {args.client}; "
+        f"median (min–max) of {args.runs} runs"
+    )
     table = summary(rows, levels)
     print_table(table)
     print(aims_verdict(table))

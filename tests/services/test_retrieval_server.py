@@ -20,6 +20,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 import yaml
 from fastapi.testclient import TestClient
@@ -428,6 +429,62 @@ def test_async_client(urls):
         text.startswith(f'Doc 1(Title: "HMS {title}") HMS {title} was a frigate')
         and "\nDoc 2(Title: " in text
     )
+
+
+def connections_to(port: int) -> set[int]:
+    """Local ports of this process's established TCP connections to `port` (the server's)."""
+    return {
+        c.laddr.port
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    }
+
+
+@contextlib.contextmanager
+def counting_socket_polls(counts: dict):
+    """Counts, in counts["polls"], httpcore's checks of whether an idle kept-alive socket was closed
+    by the server (a poll() each), as they happen in this thread."""
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name == "is_socket_readable" and "httpcore" in code.co_filename:
+            counts["polls"] += 1
+
+    counts["polls"] = 0
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(None)
+
+
+def test_64_concurrent_client_calls_each_keep_a_connection_and_poll_only_their_own(urls):
+    """Issue 28: 64 callers sharing one RetrievalClient got half the throughput of 32, p99 in seconds.
+    The client's one httpx pool held all 64 connections and, on every request and every response,
+    polled the socket of each idle one: 330 polls a request, 10-12 ms of CPU (bench/retrieval_server.py
+    --client service), taken from the server's two cores. Now each call in flight holds a connection
+    of its own and hands it to a later call; nothing walks the other connections."""
+    url, port = urls["flat"], httpx.URL(urls["flat"]).port
+    queries = QUESTIONS[:64]
+    expected = top_ids(url, queries, topk=1)  # one request of 64 queries
+    counts: dict = {}
+
+    async def run() -> tuple[list, set[int], list, set[int]]:
+        async with RetrievalClient(url, retries=0, max_connections=64) as client:
+            first = await asyncio.gather(*(client.retrieve([q], topk=1) for q in queries))
+            opened = connections_to(port)
+            with counting_socket_polls(counts):
+                second = await asyncio.gather(*(client.retrieve([q], topk=1) for q in reversed(queries)))
+            return first, opened, second[::-1], connections_to(port)
+
+    first, opened, second, reused = asyncio.run(run())
+    for answers in (first, second):
+        assert [[hit.document.id for hit in hits[0]] for hits in answers] == expected
+    assert len(opened) == 64, "each of the 64 calls in flight has a connection, kept alive after"
+    assert reused == opened, "the next 64 calls reuse those connections, opening none"
+    # each call checks its own idle connection once or twice; one pool of 64 polled 330 times a call.
+    # 0 < : httpcore still checks this way (were it renamed, this would count nothing)
+    assert 0 < counts["polls"] <= 2 * 64, counts
 
 
 def test_verl_tool_config_points_here(urls):
