@@ -106,7 +106,9 @@ async def train(run: Run) -> dict[str, float]:
     """Resume, then step until the end; validation and checkpoints as configured."""
     cfg = run.cfg
     metrics: dict[str, float] = {}
-    step, cursor_before_step, rng_before_step = 0, None, None
+    # updated: this step's train_step returned (its update is in the policy). after_done: the data cursor
+    # and random streams right after the last step that finished, as a checkpoint of it would hold them.
+    step, updated, after_done = 0, False, (None, None)
     try:
         step = resume(run)
         if cfg.trainer.val_only or (cfg.trainer.val_before_train and step == 0):
@@ -116,10 +118,13 @@ async def train(run: Run) -> dict[str, float]:
                 return metrics
         while step < run.total_steps:
             step += 1
-            cursor_before_step, rng_before_step = run.source.state(), capture_rng_state()
+            updated, after_done = False, (run.source.state(), capture_rng_state())
             remote = [group for group in run.groups.all() if group.remote]
             with profiled(cfg.trainer.log_dir, step, cfg.trainer.profile_steps, remote):
                 metrics = await train_step(run, step)
+            # Validation draws from no global generator (its sampling is seeded), so this is what a save
+            # after it holds.
+            updated, after_done = True, (run.source.state(), capture_rng_state())
             if should(cfg.trainer.test_freq, step, run.total_steps):
                 metrics |= await validate(run, step)
             # The row first, then the checkpoint (its time a row of its own, merged by step): a crash
@@ -129,10 +134,17 @@ async def train(run: Run) -> dict[str, float]:
                 run.tracker.log(timed("save_checkpoint", save, run, step), step)
         return metrics
     except ServiceError as exc:
-        # Keep the finished steps. The failed step changed no weights, but it may have fetched its prompts:
-        # save the cursor from before it, so a resumed run trains on that batch instead of skipping it.
-        if step - 1 > run.last_saved_step:
-            path = save(run, step - 1, data_cursor=cursor_before_step, rng_state=rng_before_step)
+        # Keep the finished steps, with the cursor and random streams from right after the last of them.
+        # A step that failed before its update changed no weights, but it may have fetched its prompts: it
+        # is not finished, so a resumed run trains on that batch instead of skipping it. A step whose
+        # validation failed is finished: its row is logged and it is saved as itself, else a resumed run
+        # would train its batch a second time.
+        if updated:
+            run.tracker.log(metrics, step)
+        done = step if updated else step - 1
+        if done > run.last_saved_step:
+            cursor, rng_state = after_done
+            path = save(run, done, data_cursor=cursor, rng_state=rng_state)
         else:
             path = latest_checkpoint(checkpoint_root(cfg))
         raise TrainingAborted(

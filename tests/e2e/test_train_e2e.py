@@ -2,6 +2,7 @@
 
 - learning: GRPO on a tiny random Qwen2 (char vocabulary) rises clearly on a reward it can learn;
 - resume: 4 steps straight == 2 steps, stop, resume, 2 steps (bit-identical parameters);
+- kill: SIGKILL once a checkpoint is on disk, resume to the end -> every step and checkpoint has its row;
 - outage: the reward-server killed and restarted mid-run -> the run goes on, no batch lost or repeated;
   killed for good -> a clear error and a usable last checkpoint;
 - verl's two seed commands run as written (small model and sizes substituted);
@@ -370,6 +371,40 @@ def test_a_step_whose_checkpoint_cannot_be_written_keeps_its_metrics_row(tiny_mo
     error = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "global_step_2" in error[0] and "global_step_1" in error[0], stderr[-2000:]
     assert [m["step"] for m in metrics_of(tmp_path) if "actor/pg_loss" in m] == [1, 2]
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_with_every_step_logged(tiny_model, seven_data, tmp_path):
+    """SIGKILL as soon as global_step_2 is on disk (wherever step 3 then is), resume to the end: every step
+    has its metrics row, and every checkpoint written, before the kill or after it, has its step's row."""
+    steps = 4
+    args = common_args(tiny_model, tmp_path, steps) + [
+        f"data.train_files={seven_data / 'parquet/train.parquet'}",
+        "reward_model.mode=local",
+        "trainer.save_freq=1",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "data.max_response_length=2",
+    ]
+    root = tmp_path / "ckpt"
+    trainer = start_trainer(args)
+    try:
+        deadline = time.monotonic() + 300
+        while not (root / "global_step_2").exists():  # renamed into place complete: never a partial one
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.stderr.read()[-3000:]
+            time.sleep(0.02)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    finally:
+        stop_process(trainer)
+    saved = {path.name for path in root.glob("global_step_*")}
+    assert "global_step_2" in saved and f"global_step_{steps}" not in saved  # killed mid-run
+    resumed = train(args + ["trainer.resume_mode=auto"])
+    assert "resumed from" in resumed.stdout
+    saved |= {path.name for path in root.glob("global_step_*")}
+    logged = {m["step"] for m in metrics_of(tmp_path) if "actor/pg_loss" in m}
+    assert logged == set(range(1, steps + 1))
+    assert {int(name.removeprefix("global_step_")) for name in saved} <= logged
 
 
 @pytest.fixture

@@ -88,10 +88,81 @@ def test_every_readme_command_is_checked_here_or_needs_what_it_names():
         )
 
 
-def test_each_readme_command_that_needs_the_hub_has_its_offline_twin_beside_it():
+# `Org/Name` as a whole value, where a model is named (`model.path=Qwen/Qwen2.5-0.5B-Instruct`,
+# `--embedder intfloat/e5-base-v2`) or marked `hub:` (`gsm8k=hub:openai/gsm8k`); not a repository path.
+HUB_ID = re.compile(r"^(hub:)?([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)$")
+MODEL_KEYS = ("model", "embedder")
+FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".parquet", ".gguf", ".py")
+
+
+def hub_id(key: str, value: str) -> str | None:
+    found = HUB_ID.match(value)
+    if found is None or found.group(2).endswith(FILE_SUFFIXES) or (ROOT / found.group(2)).exists():
+        return None
+    names_a_model = any(word in key.lower() for word in MODEL_KEYS)
+    return found.group(2) if found.group(1) or names_a_model else None
+
+
+def config_hub_ids(path: str, overridden: set[str]) -> list[str]:
+    """The hub ids a --config / config= YAML names, but not under keys the command line sets itself."""
+    import yaml
+
+    def walk(node, key: str) -> list[str]:
+        if key in overridden:
+            return []
+        if isinstance(node, dict):
+            return [i for k, v in node.items() for i in walk(v, f"{key}.{k}" if key else str(k))]
+        if isinstance(node, list):
+            return [i for v in node for i in walk(v, key)]
+        return [found] if isinstance(node, str) and (found := hub_id(key, node)) else []
+
+    return walk(yaml.safe_load((ROOT / path).read_text()), "")
+
+
+def hub_ids_of(command: str) -> list[str]:
+    """The hub ids a python command needs: in its arguments (`key=value`, `--option value`), or in the
+    config file it names (--config FILE, or jobgroup.local's config=FILE)."""
+    found = python_module(command)
+    if found is None:
+        return []
+    args = found[1]
+    pairs = [tuple(arg.split("=", 1)) for arg in args if "=" in arg and not arg.startswith("-")]
+    pairs += [(a, b) for a, b in zip(args, args[1:]) if a.startswith("--")]
+    ids = [found for key, value in pairs if (found := hub_id(key, value))]
+    overridden = {key.lstrip("+") for key, _ in pairs}
+    configs = [value for key, value in pairs if key in ("--config", "config")]
+    return ids + [i for path in configs for i in config_hub_ids(path, overridden)]
+
+
+def marked_hub(comment: str) -> bool:
+    return comment.startswith("hub") or comment.endswith("(hub)")
+
+
+def test_hub_ids_are_found_in_arguments_and_config_files():
+    ppo = "python -m trainer.main_ppo --config trainer/configs/ppo_gsm8k.yaml"
+    assert hub_ids_of(f"{ppo} actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct")
+    assert hub_ids_of("python -m services.data_server --datasets gsm8k=hub:openai/gsm8k") == ["openai/gsm8k"]
+    # trainer/configs/ppo_gsm8k.yaml names Qwen/Qwen2.5-0.5B-Instruct for the actor and the critic ...
+    assert len(hub_ids_of(ppo)) == 2
+    # ... unless the command line sets both
+    assert hub_ids_of(f"{ppo} actor_rollout_ref.model.path=/m critic.model.path=/m") == []
+    # local paths, repository files, and paths that do not name a model
+    assert hub_ids_of("python -m trainer.main_ppo trainer.log_dir=runs/x --out runs/y") == []
+    assert hub_ids_of("python -m trainer.main_ppo actor_rollout_ref.model.path=testing/tiny.py") == []
+    assert hub_ids_of("python -m services.data_server export gsm8k --source DIR --out ~/data/gsm8k") == []
+
+
+def test_each_readme_command_that_needs_the_hub_is_marked_and_has_its_offline_twin_beside_it():
+    """A command needs the hub by its mark (`# hub ...` or `... (hub)`) or by what it names: an Org/Name
+    id in its arguments or in its config file (python commands only: the others need a cloud or a GPU
+    node anyway). Each such command has an offline twin within two commands of it."""
     commands = readme_commands()
-    hub = [i for i, (_, c) in enumerate(commands) if c.startswith("hub") or c.endswith("(hub)")]
-    assert len(hub) >= 4  # the data-server, its export, an embedder, the trainer
+    for command, comment in commands:
+        ids = hub_ids_of(command)
+        assert not ids or marked_hub(comment), f"needs the hub ({ids[0]}) but has no `# hub` mark: {command}"
+    hub = [i for i, (command, comment) in enumerate(commands) if marked_hub(comment) or hub_ids_of(command)]
+    # the data-server and its export, an embedder, the trainer, PPO's config, jobgroup.local
+    assert len(hub) >= 6
     for index in hub:
         nearby = commands[max(index - 2, 0) : index + 3]
         assert any("offline" in comment for _, comment in nearby), f"no offline twin: {commands[index][0]}"
