@@ -37,7 +37,7 @@ from trainer.parallel.groups import (
 from trainer.parallel.ranks import PolicyProfile
 from trainer.rewards import Scorer, close_scorer, open_scorer, reward_options
 from trainer.rollout.base import SamplingParams
-from trainer.rollout.factory import build_rollout, server_urls_from_env, visible_gpus
+from trainer.rollout.factory import build_rollout, server_urls_from_env, visible_gpus, weights_dir_from_env
 from trainer.rollout.manager import RolloutManager
 from trainer.tracking import Tracker
 
@@ -160,6 +160,7 @@ async def build_run(cfg: Config) -> Run:
         server_urls=server_urls_from_env(),
         gpus=visible_gpus(),
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        weights_dir=weights_dir_from_env(),
     )
     agent = None
     if tools is not None:

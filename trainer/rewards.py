@@ -5,6 +5,9 @@ services.scoring's LocalScorer (the library the reward-server serves) here, or a
 `custom_reward_function.path/name` when one is named. Either way the loop sees one call:
 `await scorer.score(items, options) -> list[RewardResult]`. The default, `mode=auto`, is resolved by the
 config: server when a reward-server URL is configured, else local (verl scores in-process).
+
+In-process code rows run their tests in the code-executor verl's `reward_model.sandbox_fusion.url` names
+(SandboxFusion's `.../run_code`, the code-executor's own route; its base URL is what the scorer takes).
 """
 
 from __future__ import annotations
@@ -148,17 +151,30 @@ class CustomFunctionScorer:
         pass
 
 
+def code_executor_base_url(sandbox_fusion_url: str | None) -> str | None:
+    """verl's sandbox_fusion.url (`http://host:8003/run_code`, or several comma-separated) as the
+    code-executor base URL(s) LocalScorer takes; None (or empty) stays None: code rows then fail."""
+    if not sandbox_fusion_url:
+        return None
+    urls = [url.strip().rstrip("/") for url in sandbox_fusion_url.split(",") if url.strip()]
+    return ",".join(url.removesuffix("/run_code") for url in urls) or None
+
+
 async def open_scorer(reward_model, services, custom_reward_function):
-    """The scorer the config names (its reward_model, services and custom_reward_function sections); the
-    server one has answered /health. Close with `close_scorer`. The server one keeps retrying a
-    reward-server that stopped answering for services.retry_deadline_s from its first failure."""
+    """The scorer the config names (its reward_model, services and custom_reward_function sections, and
+    reward_model.sandbox_fusion.url for code rows scored in-process); the server one has answered
+    /health. Close with `close_scorer`. The server one keeps retrying a reward-server that stopped
+    answering for services.retry_deadline_s from its first failure."""
     mode, custom_path = reward_model.mode, custom_reward_function.path
     if mode == "local":
         if custom_path:
             return CustomFunctionScorer(custom_path, custom_reward_function.name)
         from services.scoring import LocalScorer
 
-        return LocalScorer()
+        return LocalScorer(
+            code_executor_url=code_executor_base_url(reward_model.sandbox_fusion.url),
+            code_executor_token=services.auth_token,
+        )
     from services.reward_server.client import RewardClient
 
     client = RewardClient(

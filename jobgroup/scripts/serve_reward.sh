@@ -7,6 +7,9 @@
 # USE_CODE_EXECUTOR   a flag (true/false, 1/0, yes/no): true passes --code-executor-url CODE_EXECUTOR_URL,
 #                     which enables the `code` scorer; false leaves code rows unscorable (an error per row)
 # CODE_EXECUTOR_URL   the code-executor's base URL(s), comma-separated replicas (needed when the flag is on)
+# CODE_EXECUTOR_AUTH_TOKEN  the code-executor's bearer token, when it has one (its own setting, shared by the
+#                     job group's tasks): handed on as REWARD_SERVER_CODE_EXECUTOR_TOKEN, in the environment
+#                     rather than on the command line, where `ps` would show it
 # DRY_RUN             a flag: print the command, one word per line, instead of running it
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -22,6 +25,9 @@ if [ "$use_code_executor" = true ]; then
     exit 2
   fi
   serve+=(--code-executor-url "$CODE_EXECUTOR_URL")
+  if [ -n "${CODE_EXECUTOR_AUTH_TOKEN:-}" ]; then
+    export REWARD_SERVER_CODE_EXECUTOR_TOKEN="${REWARD_SERVER_CODE_EXECUTOR_TOKEN:-$CODE_EXECUTOR_AUTH_TOKEN}"
+  fi
 fi
 if [ "$dry_run" = true ]; then
   printf '%s\n' "${serve[@]}" "$@"

@@ -1,4 +1,4 @@
-"""python -m services.reward_server --port 8001 [--reward-model PATH_OR_ID] [--math-workers N] ..."""
+"""python -m services.reward_server --port 8001 [--reward-model PATH] [--judge-url URL] [--math-workers N]"""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ CHECKED_FIELDS = ("response", "prompt", "ground_truth", "data_source")  # held t
 
 
 class RewardServerSettings(ScorerSettings, ServiceSettings):
-    """reward-server: gsm8k, math-verify, QA and reward-model scoring (env prefix REWARD_SERVER_)."""
+    """reward-server: gsm8k, math, QA, code, reward-model and LLM-judge scoring (env REWARD_SERVER_...)."""
 
     model_config = SettingsConfigDict(env_prefix="REWARD_SERVER_", extra="forbid")
 

@@ -14,7 +14,7 @@ from services.common.wire import JsonInt
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, with_config
 from typing_extensions import NotRequired, TypedDict
 
-ScorerName = Literal["gsm8k", "math", "qa_em", "qa_f1", "model", "code"]
+ScorerName = Literal["gsm8k", "math", "qa_em", "qa_f1", "model", "code", "judge"]
 
 
 # Bounds on the additive terms: any sum of them stays a finite float (1e308 + 1e308 would not).

@@ -7,7 +7,8 @@
 
 `LocalScorer` dispatches each item to a scorer the way verl's `default_compute_score` does (see
 `local.py`); the pure scorers are one module per family: gsm8k, math (math-verify, run in the
-killable `pool`), qa (EM / F1), shaping (format terms, DAPO overlong), model (a neural reward model).
+killable `pool`), qa (EM / F1), shaping (format terms, DAPO overlong), model (a neural reward model),
+judge (an LLM judge over any OpenAI-compatible chat endpoint).
 Items and options use the reward-server's wire records (services.reward_server.schemas), so a reward
 is the same number over HTTP and in-process.
 """

@@ -4,11 +4,15 @@ server's /v1/chat/completions, a hosted API) to grade them, as TRL users wire ju
     async with LLMJudge(JudgeSettings(url="http://127.0.0.1:30000/v1", model="default")) as judge:
         results = await judge.score([JudgeItem(prompt="2+3?", response="5", reference="5")])
 
-Batched and bounded: every item of a batch is one chat request, at most `concurrency` in flight, each
+Batched and bounded: every item of a batch is one chat request, at most `concurrency` in flight (over
+every batch that one judge scores at once: the reward-server's `judge` scorer shares one), each
 within `timeout_s`, retried `retries` times on a transport error or a 429/5xx. The judge's reply must hold
 a number (the last one in "score: 7" style text counts), divided by `scale` into [0, 1]. An item the judge
 could not score gets `error` (HTTP status, timeout, or the unparseable reply) and no score: callers count
 them rather than train on a silent 0.
+
+A judge holds no connection between batches: each `score` call opens its own HTTP client, so one judge
+serves any event loop (the reward-server's, or each `asyncio.run` of the trainer's in-process scoring).
 """
 
 from __future__ import annotations
@@ -73,10 +77,9 @@ def parse_grade(reply: str, scale: float) -> float | None:
 class LLMJudge:
     def __init__(self, settings: JudgeSettings) -> None:
         self.settings = settings
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-        self._http = httpx.AsyncClient(timeout=settings.timeout_s, headers=headers)
-        self._slots = asyncio.Semaphore(settings.concurrency)
+        self._headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self._endpoint = settings.url.rstrip("/") + "/chat/completions"
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     async def __aenter__(self) -> LLMJudge:
         return self
@@ -85,13 +88,24 @@ class LLMJudge:
         await self.close()
 
     async def close(self) -> None:
-        await self._http.aclose()
+        """Nothing to release (each batch closes its own client); kept for `async with`."""
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        """The concurrency bound of the running event loop (a semaphore belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(self.settings.concurrency))
+        return self._slots[1]
 
     async def score(self, items: Sequence[JudgeItem]) -> list[JudgeResult]:
         """One result per item, in order; never raises for one item's failure."""
-        return list(await asyncio.gather(*(self._one(item) for item in items)))
+        if not items:
+            return []
+        slots = self._semaphore()
+        async with httpx.AsyncClient(timeout=self.settings.timeout_s, headers=self._headers) as http:
+            return list(await asyncio.gather(*(self._one(http, slots, item) for item in items)))
 
-    async def _one(self, item: JudgeItem) -> JudgeResult:
+    async def _one(self, http: httpx.AsyncClient, slots: asyncio.Semaphore, item: JudgeItem) -> JudgeResult:
         s = self.settings
         content = s.template.format(
             prompt=item.prompt, response=item.response, reference=item.reference, scale=s.scale
@@ -102,8 +116,8 @@ class LLMJudge:
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
         }
-        async with self._slots:
-            reply, error = await self._ask(body)
+        async with slots:
+            reply, error = await self._ask(http, body)
         if error is not None:
             return JudgeResult(None, None, error)
         grade = parse_grade(reply, s.scale)
@@ -111,14 +125,14 @@ class LLMJudge:
             return JudgeResult(None, reply, f"the judge's reply holds no grade: {reply[:200]!r}")
         return JudgeResult(grade, reply)
 
-    async def _ask(self, body: dict) -> tuple[str | None, str | None]:
+    async def _ask(self, http: httpx.AsyncClient, body: dict) -> tuple[str | None, str | None]:
         """(reply, None) or (None, why not) after the retries."""
         error = "not tried"
         for attempt in range(self.settings.retries + 1):
             if attempt:
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
             try:
-                response = await self._http.post(self._endpoint, json=body)
+                response = await http.post(self._endpoint, json=body)
             except httpx.TimeoutException:
                 error = f"{self._endpoint}: timed out after {self.settings.timeout_s:g}s"
                 continue

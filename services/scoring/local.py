@@ -15,6 +15,16 @@ dataset name is scored as QA, not as an unknown data_source worth 0):
 verl scores math_dapo/aime with its own "Answer:" scorer and numina_* with prime_math; here all of
 them go through math-verify, which reads those answer styles too.
 
+A deliberate departure in QA routing: verl routes only its seven searchR1_{nq, triviaqa, popqa, hotpotqa,
+2wikimultihopqa, musique, bamboogle} names to its QA scorer and raises for any other name. Here any
+`searchR1_` prefix and the bare dataset names score as QA too, so QA rows served under other names
+(the data-server's own QA sets, issue 30) get a reward rather than an error. A name verl knows gets
+verl's number; an empty golden-answer list scores like verl's (nothing matches: format_score, 0.0).
+
+The `judge` scorer (no data_source selects it: set `scorer` or `extra_info.scorer`) asks an
+OpenAI-compatible chat endpoint (`judge_url`) to grade each response (services.scoring.judge), at most
+`judge_concurrency` requests in flight across every batch this scorer serves.
+
 Cheap scorers (gsm8k, QA) run in one thread beside the caller's event loop (never on it: a batch of
 16k items is tens of milliseconds of CPU), in linear time whatever the text. math-verify runs in the
 killable worker pool with a deadline per item, queued fairly against other batches; the reward model
@@ -31,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import math
 import os
 from collections.abc import Awaitable, Sequence
@@ -45,6 +56,7 @@ from services.reward_server.schemas import RewardItem, RewardOptions, RewardResu
 from services.scoring import code as code_scorer
 from services.scoring import gsm8k, qa, shaping
 from services.scoring import math as math_scorer
+from services.scoring.judge import JudgeItem, JudgeSettings, LLMJudge
 from services.scoring.pool import KillablePool
 
 GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k", "synthetic-arith"})
@@ -82,7 +94,9 @@ SCORER_DOCS: dict[str, ScorerDoc] = {
         description="Search-R1 exact match: the last <answer>...</answer>, SQuAD-normalised, "
         "against the golden answers.",
         data_sources="nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle, searchR1_*; "
-        "any data_source whose row says extra_info.scorer='qa_em' (the data-server's QA rows)",
+        "any data_source whose row says extra_info.scorer='qa_em' (the data-server's QA rows). Wider "
+        "than verl, which scores only its seven searchR1_* names and raises for others; an empty "
+        "golden list scores as verl's does (format_score, no error)",
         answer_format="exactly one <answer>...</answer>",
     ),
     "qa_f1": ScorerDoc(
@@ -102,7 +116,15 @@ SCORER_DOCS: dict[str, ScorerDoc] = {
         data_sources="none (select with scorer='model')",
         answer_format="none (no format terms)",
     ),
+    "judge": ScorerDoc(
+        description="An LLM judge: an OpenAI-compatible chat endpoint (judge_url) grades (prompt, "
+        "response, ground truth as the reference); the last number of its reply over judge_scale, "
+        "in [0, 1]. A reply without a grade is that item's error.",
+        data_sources="none (select with scorer='judge' or extra_info.scorer='judge')",
+        answer_format="none (no format terms)",
+    ),
 }
+UNSHAPED_SCORERS = frozenset({"model", "judge"})  # scores with no answer format to reward
 
 
 class ScorerSettings(BaseModel):
@@ -144,6 +166,25 @@ class ScorerSettings(BaseModel):
     )
     code_run_timeout_s: float = Field(10.0, gt=0, description="Wall time of one code test case (verl: 10).")
     code_memory_mb: int = Field(1024, ge=16, description="Memory of one code test case in MiB (verl: 1024).")
+    code_executor_token: str | None = Field(
+        None, description="Bearer token the code-executor asks for (its --auth-token), when it has one."
+    )
+    judge_url: str | None = Field(
+        None,
+        description="OpenAI-compatible base URL ending in /v1 (e.g. a rollout server's "
+        "http://127.0.0.1:30000/v1); enables scorer 'judge'.",
+    )
+    judge_model: str = Field("default", description="The `model` field of each judge request.")
+    judge_api_key: str | None = Field(
+        None, description="Bearer token of the judge endpoint, if it wants one."
+    )
+    judge_concurrency: int = Field(8, ge=1, description="Most judge requests in flight, over all batches.")
+    judge_timeout_s: float = Field(60.0, gt=0, description="Bound on one judge request.")
+    judge_scale: float = Field(10.0, gt=0, description="The judge's grade that means a score of 1.0.")
+    judge_max_tokens: int = Field(16, ge=1, description="Longest reply the judge may write.")
+    judge_threshold: float = Field(
+        0.5, ge=0, le=1, description="A judge score (in [0, 1]) at or above this counts as `correct`."
+    )
 
 
 @dataclass(slots=True)
@@ -228,7 +269,7 @@ def shape(scored: Scored, item: dict, options: RewardOptions) -> Scored:
     """Add the format term and the overlong penalty the request switched on."""
     if scored.error is not None:
         return scored
-    if scored.scorer != "model" and (options.format_bonus or options.format_penalty):
+    if scored.scorer not in UNSHAPED_SCORERS and (options.format_bonus or options.format_penalty):
         scored.score += shaping.format_term(scored.well_formed, options.format_bonus, options.format_penalty)
     if options.overlong_enable:
         length = (item.get("extra_info") or {}).get("response_length")
@@ -263,7 +304,7 @@ def score_inline(items: Sequence[dict], names: Sequence[str | None], options: Re
             scored.append(score_gsm8k_item(item, options))
         elif name == "qa_em" or name == "qa_f1":
             scored.append(score_qa_item(item, name, options))
-        elif name in ("math", "model", "code"):
+        elif name in ("math", "model", "code", "judge"):
             scored.append(None)
         else:
             scored.append(failed("none", unknown_scorer_message(item)))
@@ -297,6 +338,7 @@ class LocalScorer:
         )
         self.math_pool.start()
         self._inline = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inline-scoring")
+        self.judge = judge_of(self.settings)
         self.reward_model = None
         try:
             if self.settings.reward_model:
@@ -328,6 +370,8 @@ class LocalScorer:
     def available(self, scorer: str) -> bool:
         if scorer == "code":
             return self.settings.code_executor_url is not None
+        if scorer == "judge":
+            return self.judge is not None
         return scorer != "model" or self.reward_model is not None
 
     def deadline_of(self, options: RewardOptions) -> float:
@@ -350,6 +394,7 @@ class LocalScorer:
         math_indices = [i for i, name in enumerate(names) if name == "math"]
         model_indices = [i for i, name in enumerate(names) if name == "model"]
         code_indices = [i for i, name in enumerate(names) if name == "code"]
+        judge_indices = [i for i, name in enumerate(names) if name == "judge"]
         loop = asyncio.get_running_loop()
         inline = loop.run_in_executor(self._inline, score_inline, items, names, options)
         group = object()  # one fair-queue group per batch: the pool alternates between batches
@@ -358,10 +403,11 @@ class LocalScorer:
                 *(self._score_math(items[i], options, group) for i in math_indices),
                 self._score_model([items[i] for i in model_indices]),
                 self._score_code([items[i] for i in code_indices], options),
+                self._score_judge([items[i] for i in judge_indices]),
             ],
             deadline_s,
         )
-        scored, (*math_scored, model_scored, code_scored) = await asyncio.gather(inline, slow)
+        scored, (*math_scored, model_scored, code_scored, judge_scored) = await asyncio.gather(inline, slow)
         for index, value in zip(math_indices, math_scored):
             scored[index] = value or late("math", deadline_s)
         if model_scored is None:
@@ -371,6 +417,10 @@ class LocalScorer:
         if code_scored is None:
             code_scored = [late("code", deadline_s)] * len(code_indices)
         for index, value in zip(code_indices, code_scored):
+            scored[index] = value
+        if judge_scored is None:
+            judge_scored = [late("judge", deadline_s)] * len(judge_indices)
+        for index, value in zip(judge_indices, judge_scored):
             scored[index] = value
         if options.format_bonus or options.format_penalty or options.overlong_enable:
             scored = [shape(value, item, options) for value, item in zip(scored, items)]
@@ -426,7 +476,9 @@ class LocalScorer:
         plans = [code_plan(item, self.settings) for item in items]
         requests = [request for plan in plans if not isinstance(plan, Scored) for request in plan[1]]
         try:
-            async with CodeExecutorClient(self.settings.code_executor_url, timeout_s=600.0) as client:
+            async with CodeExecutorClient(
+                self.settings.code_executor_url, timeout_s=600.0, token=self.settings.code_executor_token
+            ) as client:
                 responses = await client.run_batch(requests)
         except ServiceError as exc:
             return [failed("code", f"code-executor: {exc}") for _ in items]
@@ -440,6 +492,51 @@ class LocalScorer:
             position += len(requests_of_item)
             scored.append(judge_code(tests, answers, options.code_score == "all_pass"))
         return scored
+
+    async def _score_judge(self, items: list[dict]) -> list[Scored]:
+        """One judge request per item, bounded by the judge's concurrency across all batches."""
+        if not items:
+            return []
+        if self.judge is None:
+            error = "no judge configured (judge_url: the reward-server's --judge-url)"
+            return [failed("judge", error) for _ in items]
+        asked = [JudgeItem(item.get("prompt") or "", item["response"], reference(item)) for item in items]
+        results = await self.judge.score(asked)
+        threshold = self.settings.judge_threshold
+        return [
+            failed("judge", result.error)
+            if result.score is None
+            else Scored("judge", result.score, result.score >= threshold, result.reply)
+            for result in results
+        ]
+
+
+def judge_of(settings: ScorerSettings) -> LLMJudge | None:
+    if settings.judge_url is None:
+        return None
+    return LLMJudge(
+        JudgeSettings(
+            url=settings.judge_url,
+            model=settings.judge_model,
+            api_key=settings.judge_api_key,
+            scale=settings.judge_scale,
+            max_tokens=settings.judge_max_tokens,
+            concurrency=settings.judge_concurrency,
+            timeout_s=settings.judge_timeout_s,
+        )
+    )
+
+
+def reference(item: dict) -> str:
+    """The ground truth as the judge's reference answer: a string as is, answers joined by ' | '."""
+    truth = item["ground_truth"]
+    if isinstance(truth, dict) and "target" in truth:
+        truth = truth["target"]
+    if isinstance(truth, str):
+        return truth
+    if isinstance(truth, list) and all(isinstance(answer, str) for answer in truth):
+        return " | ".join(truth)
+    return json.dumps(truth, sort_keys=True, default=str)
 
 
 def code_plan(item: dict, settings: ScorerSettings):

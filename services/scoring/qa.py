@@ -7,6 +7,9 @@ collapse whitespace).
   spamming tags), `format_score` when an answer was found but matches none, 0.0 when none was found.
 - qa_f1: the best SQuAD token F1 over the golden answers; `format_score` when an answer was found
   but shares no token; 0.0 when none was found. `correct` is the exact match.
+
+An empty golden-answer list is a row that nothing matches, as in verl's search_r1_like_qa_em: the
+answer, if found, earns `format_score` (0.0 unless the request sets it), never an error.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def normalize_answer(text: str) -> str:
 
 
 def golden_answers(ground_truth) -> list[str]:
-    """{'target': [...]} (Search-R1 rows), a list (or array), or one string; ValueError for anything else."""
+    """{'target': [...]} (Search-R1 rows), a list (or array; empty: nothing matches), or one string;
+    ValueError for anything else."""
     if isinstance(ground_truth, dict):
         if "target" not in ground_truth:
             raise ValueError("QA ground_truth must be {'target': [answers...]}")
@@ -43,10 +47,8 @@ def golden_answers(ground_truth) -> list[str]:
         ground_truth = list(ground_truth)
     if isinstance(ground_truth, str):
         return [ground_truth]
-    if isinstance(ground_truth, list) and ground_truth and all(isinstance(a, str) for a in ground_truth):
+    if isinstance(ground_truth, list) and all(isinstance(a, str) for a in ground_truth):
         return ground_truth
-    if isinstance(ground_truth, list) and not ground_truth:
-        raise ValueError("QA ground_truth has no golden answers")
     raise ValueError("QA golden answers must be strings")
 
 
@@ -104,7 +106,7 @@ def score_qa_f1(response: str, answers: list[str], format_score: float = 0.0) ->
     extracted = extract_answer(response)
     if extracted is None:
         return QaScore(0.0, False, None)
-    best_f1 = max(token_f1(extracted, answer) for answer in answers)
+    best_f1 = max((token_f1(extracted, answer) for answer in answers), default=0.0)
     return QaScore(best_f1 if best_f1 > 0 else format_score, exact_match(extracted, answers), extracted)
 
 

@@ -22,7 +22,7 @@ from tests.trainer.test_rollout_engine import encode, engine_for, hf_greedy, var
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.builtin.worker import EngineWorker
 from trainer.rollout.client import HttpReplica, ReplicaDown, RolloutRequestError
-from trainer.rollout.launcher import builtin_servers, gpu_groups, sglang_command
+from trainer.rollout.launcher import builtin_servers, gpu_groups, sglang_command, sglang_servers
 from trainer.rollout.local import LocalReplica
 from trainer.rollout.manager import RolloutManager, http_manager
 from trainer.rollout.protocol import sample_seed
@@ -145,6 +145,13 @@ def test_release_and_resume_memory_occupation(server, models):
     after = post(server, "/generate", {"input_ids": prompt, "sampling_params": greedy(6)}).json()
     assert after["output_ids"] == before["output_ids"] and after["text"] == before["text"]
     assert post(server, "/release_memory_occupation", {"tags": ["disk"]}).status_code == 400
+    # io_struct.py: BaseReq's rid / http_worker_ipc and SGLang's third tag; the graphs go with the KV cache
+    # here, so "cuda_graph" alone releases nothing and generation goes on
+    sglang_body = {"tags": ["cuda_graph"], "rid": "r-1", "http_worker_ipc": None, "not_a_field": 1}
+    assert post(server, "/release_memory_occupation", sglang_body).status_code == 200
+    still = post(server, "/generate", {"input_ids": prompt, "sampling_params": greedy(6)}).json()
+    assert still["output_ids"] == before["output_ids"]
+    assert post(server, "/resume_memory_occupation", sglang_body).status_code == 200
 
 
 def test_weight_updates_from_disk_and_from_tensors_change_the_outputs(server, models):
@@ -342,6 +349,12 @@ def test_sglang_command_line():
         "--log-level",
         "warning",
     ]
+    assert "--enable-deterministic-inference" not in argv
+    seeded = sglang_command("/models/qwen", port=30001, deterministic_inference=True)
+    assert seeded[-1] == "--enable-deterministic-inference"
+    # the launcher's servers for a seeded run (build_rollout passes seeded=True: the loop always seeds)
+    started = sglang_servers("/models/qwen", ["0", "1"], deterministic_inference=True).servers
+    assert all("--enable-deterministic-inference" in server.argv for server in started)
     assert gpu_groups(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
     with pytest.raises(ValueError, match="tensor-parallel"):
         gpu_groups(["0", "1", "2"], 2)
@@ -389,3 +402,34 @@ def test_build_rollout_for_each_name(server, models):
             manager.close()
     with pytest.raises(ValueError, match="needs server URLs"):
         build_rollout("sglang", pad_id=0, model_path=model_dir)
+
+
+def test_weight_checkpoints_go_to_the_shared_folder_the_env_names(server, models, tmp_path, monkeypatch):
+    """ROLLOUT_WEIGHTS_DIR (a path remote servers share) -> build_rollout -> the manager's checkpoints,
+    which the server then loads from there."""
+    from trainer.rollout.factory import build_rollout, weights_dir_from_env
+
+    first, first_dir = models["first"]
+    second, _ = models["second"]
+    tok = models["tok"]
+    shared = tmp_path / "shared" / "rollout-weights"  # not there yet: build_rollout creates it
+    monkeypatch.setenv("ROLLOUT_WEIGHTS_DIR", str(shared))
+    manager = build_rollout(
+        "sglang",
+        pad_id=tok.pad_token_id,
+        model_path=first_dir,
+        server_urls=[server],
+        weights_dir=weights_dir_from_env(),
+    )
+    prompt = encode(tok)[1]
+    try:
+        assert shared.is_dir()
+        manager.load_weights(second.state_dict())
+        assert (shared / "latest" / "model.safetensors").exists()
+        assert httpx.get(server + "/get_model_info").json()["model_path"] == str(shared / "latest")
+        sampling = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+        assert manager.generate([prompt], sampling)[0].response_ids == hf_greedy(second, prompt, 6)
+    finally:
+        manager.close()
+        restore = post(server, "/update_weights_from_disk", {"model_path": first_dir, "weight_version": "r"})
+        assert restore.json()["success"] is True

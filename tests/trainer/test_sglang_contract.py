@@ -2,14 +2,22 @@
 
 SGLang cannot be installed here, so each test follows a definition read from SGLang 0.5.23 (the PyPI wheel
 sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl, sha256 00b3cd5b...9937; the wheel records no
-commit). The file each follows is named in its docstring, under sglang/. Every test runs a real uvicorn
-server (python -m trainer.rollout.server) on loopback with a tiny random model (testing/tiny.py).
+commit). The file each follows is named in its docstring, under sglang/. Every test runs a real server on
+loopback with a tiny random model (testing/tiny.py), in two variants of the `server` fixture:
+- ours: python -m trainer.rollout.server (uvicorn, CPU);
+- sglang: real SGLang, started by trainer.rollout.launcher.sglang_servers on GPU 0; skipped where sglang
+  or CUDA is missing (always, on our machines), so that the same suite runs against SGLang where it can.
+What only our server does (the built-in engine's 400s for features it lacks, token ids equal to
+transformers' greedy decoding on CPU, gloo weight sync) is asked through the `ours` fixture or the
+`is_ours` flag, which skip those tests or asserts for the sglang variant.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -18,7 +26,7 @@ import torch
 from tests.helpers import free_port, service_process
 from tests.trainer.test_rollout_engine import encode, hf_greedy, varied_model
 from trainer.rollout.client import HttpReplica, RolloutRequestError, _older
-from trainer.rollout.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS
+from trainer.rollout.sglang_fields import GENERATE_FIELDS, GENERATE_REFUSED, SAMPLING_FIELDS, SAMPLING_REFUSED
 from trainer.rollout.weight_group import WeightBroadcaster
 
 CONTEXT = 160
@@ -38,6 +46,15 @@ return_prompt_token_ids external_trace_header received_time need_wait_for_mm_inp
 encoder_urls max_dynamic_patch min_dynamic_patch image_max_dynamic_patch video_max_dynamic_patch
 images_config mm_processor_kwargs multi_item_delimiter_indices token_indices_to_pool cache_salt
 kv_hints""".split()
+
+# srt/managers/load_snapshot.py `LoadSnapshot`: the flat "core" keys of each /v1/loads entry (every struct
+# field but the optional sections memory, speculative, lora, disaggregation, queues)
+LOAD_SNAPSHOT_CORE = set(
+    """timestamp dp_rank num_running_reqs num_waiting_reqs num_waiting_uncached_tokens num_used_tokens
+num_total_tokens num_active_tokens num_prealloc_ready_tokens max_total_num_tokens max_running_requests
+token_usage gen_throughput cache_hit_rate utilization total_prefill_uncached_tokens total_prefill_busy_us
+decode_moments""".split()
+)
 
 # srt/sampling/sampling_params.py `SamplingParams` (API fields, with their defaults) plus `choice` from
 # api/v1/api_types.py `SamplingParams`; top_k's API spelling of "off" is -1
@@ -86,10 +103,61 @@ def models(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def server(models):
-    with service_process("trainer.rollout.server", "--model", models["first"][1], *SERVER_ARGS) as (url, _):
-        yield url
+@dataclass(frozen=True)
+class Served:
+    url: str
+    kind: str  # "ours" | "sglang"
+
+
+def sglang_unavailable() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed"
+    if not torch.cuda.is_available():
+        return "SGLang needs CUDA"
+    return None
+
+
+@pytest.fixture(scope="module", params=["ours", "sglang"])
+def served(request, models):
+    if request.param == "ours":
+        with service_process("trainer.rollout.server", "--model", models["first"][1], *SERVER_ARGS) as (
+            url,
+            _,
+        ):
+            yield Served(url, "ours")
+        return
+    if (why := sglang_unavailable()) is not None:
+        pytest.skip(why)
+    from trainer.rollout.launcher import sglang_servers
+
+    launched = sglang_servers(
+        models["first"][1],
+        ["0"],
+        mem_fraction_static=0.3,
+        deterministic_inference=True,  # the seeded-sampling test needs it
+        extra_args=["--context-length", str(CONTEXT), "--max-running-requests", "8"],
+    )
+    with launched as servers:  # started (up to 900 s for /health), stopped on exit
+        yield Served(servers.urls[0], "sglang")
+
+
+@pytest.fixture
+def server(served) -> str:
+    return served.url
+
+
+@pytest.fixture
+def is_ours(served) -> bool:
+    """For the asserts only our server makes, inside tests both servers run."""
+    return served.kind == "ours"
+
+
+@pytest.fixture
+def ours(served) -> str:
+    """The server, for tests of what only ours does; skipped for SGLang."""
+    if served.kind != "ours":
+        pytest.skip("our server only: the built-in engine's own behaviour")
+    return served.url
 
 
 def post(url, path, payload=None):
@@ -116,7 +184,9 @@ def test_our_field_tables_are_sglangs():
     assert set(SAMPLING_DEFAULTS) == SAMPLING_FIELDS
 
 
-def test_every_generate_field_unset_and_every_sampling_field_at_its_default_is_accepted(server, models):
+def test_every_generate_field_unset_and_every_sampling_field_at_its_default_is_accepted(
+    server, models, is_ours
+):
     """managers/io_struct.py GenerateReqInput (all None-able), sampling/sampling_params.py defaults."""
     prompt = encode(models["tok"])[0]
     body = {name: None for name in GENERATE_REQ_INPUT}
@@ -125,7 +195,8 @@ def test_every_generate_field_unset_and_every_sampling_field_at_its_default_is_a
     )
     body.update(stream=False, return_logprob=True, return_text_in_logprobs=False)
     out = generate(server, **body)
-    assert out["output_ids"] == hf_greedy(models["first"][0], prompt, 4)
+    if is_ours:
+        assert out["output_ids"] == hf_greedy(models["first"][0], prompt, 4)
     hints = {
         "session_id": "s1",
         "priority": 3,
@@ -142,44 +213,77 @@ def test_every_generate_field_unset_and_every_sampling_field_at_its_default_is_a
     assert unknown["output_ids"] == out["output_ids"]  # io_struct.py is a dataclass: unknown keys dropped
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("image_data", "https://example.com/cat.png"),
-        ("lora_path", "adapters/a"),
-        ("return_hidden_states", True),
-        ("session_params", {"id": "s"}),
-        ("input_embeds", [[0.1, 0.2]]),
-        ("token_ids_logprob", [1, 2]),
-        ("custom_logit_processor", "{}"),
-        ("bootstrap_host", "10.0.0.1"),
-        ("return_routed_experts", True),
-        ("routed_dp_rank", 1),
-    ],
-)
-def test_a_field_the_engine_cannot_honour_is_sglangs_400_naming_it(server, field, value):
-    """entrypoints/http_server.py `_create_error_response`: 400 {"error": {"message"}}."""
-    response = post(server, "/generate", {"input_ids": [5, 6], field: value})
-    assert response.status_code == 400
+def set_value(field: str):
+    """A value of the field's type in io_struct.py that is not "unset" (sglang_fields.is_unset)."""
+    if field.startswith(("return_", "use_", "need_", "require_")) or field == "background":
+        return True
+    if field.endswith(("_port", "_room", "_size", "_tokens", "_assigned", "_patch", "_rank")):
+        return 2
+    special = {
+        "input_embeds": [[0.1, 0.2]],
+        "image_data": "https://example.com/cat.png",
+        "session_params": {"id": "s"},
+        "token_ids_logprob": [1, 2],
+        "modalities": ["image"],
+        "mm_processor_kwargs": {"k": 1},
+        "multi_item_delimiter_indices": [1],
+        "token_indices_to_pool": [1],
+    }
+    return special.get(field, "x")
+
+
+# a value that switches each refused sampling feature on (sampling_params.py)
+SAMPLING_ON = {
+    "min_p": 0.1,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "repetition_penalty": 1.2,
+    "min_new_tokens": 2,
+    "beam_width": 2,
+    "stop_regex": "a+",
+    "json_schema": '{"type": "object"}',
+    "regex": "a+",
+    "ebnf": 'root ::= "a"',
+    "structural_tag": '{"type": "structural_tag"}',
+    "logit_bias": {"5": 1.0},
+    "watermark": {"key": 1},
+    "choice": ["yes", "no"],
+}
+
+
+def test_every_refused_sampling_field_has_a_value_here():
+    assert set(SAMPLING_ON) == set(SAMPLING_REFUSED)
+
+
+@pytest.mark.parametrize("field", sorted(GENERATE_REFUSED))
+def test_a_field_the_engine_cannot_honour_is_sglangs_400_naming_it(ours, field):
+    """entrypoints/http_server.py `_create_error_response`: 400 {"error": {"message"}}. Every field of
+    sglang_fields.GENERATE_REFUSED, set."""
+    response = post(ours, "/generate", {"input_ids": [5, 6], field: set_value(field)})
+    assert response.status_code == 400, response.text
+    assert field in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", sorted(SAMPLING_REFUSED))
+def test_a_sampling_feature_the_engine_lacks_is_a_400_naming_it(ours, field):
+    """Every key of sglang_fields.SAMPLING_REFUSED, switched on."""
+    response = post(ours, "/generate", {"input_ids": [5, 6], "sampling_params": {field: SAMPLING_ON[field]}})
+    assert response.status_code == 400, response.text
     assert field in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
     "sampling, words",
     [
-        ({"min_p": 0.1}, "min_p"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"regex": "a+"}, "regex"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         (
             {"not_a_sampling_key": 1},
             "not_a_sampling_key",
         ),  # api_types.py SamplingParams: unknown keys rejected
-        ({"top_k": 0}, "top_k"),
-        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"top_k": 0}, "top_k"),  # sampling_params.py verify(): top_k -1 or >= 1
+        ({"max_new_tokens": -1}, "max_new_tokens"),  # sampling_params.py verify(): >= 0
     ],
 )
-def test_sampling_params_refusals_name_the_key(server, sampling, words):
+def test_sampling_params_sglang_rejects_are_400s_naming_the_key(server, sampling, words):
     response = post(server, "/generate", {"input_ids": [5, 6], "sampling_params": sampling})
     assert response.status_code == 400 and words in response.json()["error"]["message"]
 
@@ -198,7 +302,7 @@ def test_a_body_that_does_not_parse_gets_sglangs_error_response(server):
 # ------------------------------------------------------------------------------- /generate: the answer
 
 
-def test_max_new_tokens_zero_is_prefill_only_with_input_logprobs(server, models):
+def test_max_new_tokens_zero_is_prefill_only_with_input_logprobs(server, models, is_ours):
     """sampling_params.py (max_new_tokens >= 0), logprob_result_processor.py (input_token_logprobs:
     prompt[start:], the first logprob null), tokenizer_manager.py (the [logprob, id, text] triples)."""
     model, _ = models["first"]
@@ -217,6 +321,8 @@ def test_max_new_tokens_zero_is_prefill_only_with_input_logprobs(server, models)
     entries = meta["input_token_logprobs"]
     assert [e[1] for e in entries] == prompt[2:] and entries[0][0] is None
     assert [e[2] for e in entries] == [tok.decode([t]) for t in prompt[2:]]
+    if not is_ours:  # the values below are float32 on CPU; SGLang computes in bfloat16 on GPU
+        return
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, :-1].float()
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
@@ -290,16 +396,24 @@ def test_abort_finish_reason_and_pause(server, models):
 # ------------------------------------------------------------------------------- the other routes
 
 
-def test_server_info_load_and_model_routes(server, models):
+def test_server_info_load_and_model_routes(server, models, is_ours):
     """http_server.py /server_info (server args + internal_states + version), /get_load (legacy shape),
-    v1_loads.py /v1/loads, /model_info, /v1/models (openai/protocol.py ModelCard, ModelList)."""
+    v1_loads.py /v1/loads (managers/load_snapshot.py LoadSnapshot.to_dict: every core key), /model_info,
+    /v1/models (openai/protocol.py ModelCard, ModelList)."""
     info = httpx.get(server + "/get_server_info").json()
-    assert (info["tp_size"], info["dp_size"], info["version"]) == (1, 1, "0.5.23")
-    assert info["max_total_num_tokens"] == 8 * CONTEXT and isinstance(info["internal_states"], list)
+    assert (info["tp_size"], info["dp_size"]) == (1, 1) and isinstance(info["internal_states"], list)
+    if is_ours:  # SGLang sizes its KV pool from GPU memory, and reports the version installed
+        assert info["max_total_num_tokens"] == 8 * CONTEXT and info["version"] == "0.5.23"
     load = httpx.get(server + "/get_load").json()
     assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"}
     loads = httpx.get(server + "/v1/loads").json()
-    assert {"timestamp", "version", "loads"} <= set(loads) and loads["loads"][0]["dp_rank"] == 0
+    assert set(loads) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
+    core = loads["loads"][0]
+    assert set(core) >= LOAD_SNAPSHOT_CORE and core["dp_rank"] == 0  # SGLang adds its optional sections
+    if is_ours:
+        assert set(core) == LOAD_SNAPSHOT_CORE and core["max_running_requests"] == 8
+        assert core["max_total_num_tokens"] == 8 * CONTEXT and core["num_running_reqs"] == 0
+        assert isinstance(core["timestamp"], float) and core["decode_moments"] is None
     models_list = httpx.get(server + "/v1/models").json()
     card = models_list["data"][0]
     assert models_list["object"] == "list" and card["object"] == "model" and card["max_model_len"] == CONTEXT
@@ -307,17 +421,18 @@ def test_server_info_load_and_model_routes(server, models):
     assert httpx.get(server + "/v1/models/nope").json()["error"]["code"] == "model_not_found"
 
 
-def test_weight_version_routes(server):
+def test_weight_version_routes(server, is_ours):
     """http_server.py /update_weight_version ({"success", "message", "new_version"}); /get_weight_version
     ({"weight_version"}) as older releases and slime's engine read it."""
     answer = post(server, "/update_weight_version", {"new_version": "step-7"}).json()
     assert answer == {"success": True, "message": "Weight version updated to step-7", "new_version": "step-7"}
-    assert httpx.get(server + "/get_weight_version").json() == {"weight_version": "step-7"}
+    if is_ours:  # older SGLang releases' route (slime reads it); 0.5.23 has only /model_info
+        assert httpx.get(server + "/get_weight_version").json() == {"weight_version": "step-7"}
     assert httpx.get(server + "/model_info").json()["weight_version"] == "step-7"
     assert post(server, "/update_weight_version", {}).status_code == 400
 
 
-def test_openai_chat_and_completions(server, models):
+def test_openai_chat_and_completions(server, models, is_ours):
     """openai/protocol.py ChatCompletionResponse / CompletionResponse; serving_base.py errors."""
     tok = models["tok"]
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -334,6 +449,8 @@ def test_openai_chat_and_completions(server, models):
     assert (
         completion["object"] == "text_completion" and len(completion["choices"][0]["logprobs"]["tokens"]) == 3
     )
+    if not is_ours:  # SGLang serves tools (with a tool-call parser); the built-in server refuses them
+        return
     refused = post(server, "/v1/chat/completions", {"messages": messages, "tools": [{"type": "function"}]})
     assert (
         refused.status_code == 400
@@ -345,7 +462,7 @@ def test_openai_chat_and_completions(server, models):
 # ------------------------------------------------------------------------------- client flows
 
 
-def test_slime_and_verl_style_client_flows(server, models):
+def test_slime_and_verl_style_client_flows(server, models, is_ours):
     """slime (backends/sglang_utils/sglang_engine.py): poll /health_generate, GET /flush_cache, generate
     with custom_params, pause -> abort_all -> update weights (versioned) -> continue, read
     /get_weight_version. verl's HTTP adapter: generate with input_ids and return_logprob, abort_all,
@@ -375,12 +492,14 @@ def test_slime_and_verl_style_client_flows(server, models):
         "num_paused_requests": 0,
     }
     assert post(server, "/continue_generation", {}).status_code == 200
-    assert httpx.get(server + "/get_weight_version").json()["weight_version"] == "2"
+    assert httpx.get(server + "/model_info").json()["weight_version"] == "2"
     # verl
     out = generate(
         server, input_ids=prompt, sampling_params=short(max_new_tokens=6), return_logprob=True, rid="v-1"
     )
-    assert out["output_ids"] == hf_greedy(second, prompt, 6) and out["meta_info"]["weight_version"] == "2"
+    assert out["meta_info"]["weight_version"] == "2"
+    if is_ours:  # the same tokens as transformers on CPU (SGLang runs bfloat16 on GPU)
+        assert out["output_ids"] == hf_greedy(second, prompt, 6)
     assert post(server, "/abort_request", {"rid": "", "abort_all": True}).status_code == 200
     assert post(server, "/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
     assert post(server, "/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
@@ -392,20 +511,20 @@ def test_slime_and_verl_style_client_flows(server, models):
         server, "/update_weights_from_disk", {"model_path": models["first"][1], "weight_version": "1"}
     )
     assert restore.json()["success"] is True
-    assert generate(server, input_ids=prompt, sampling_params=short(max_new_tokens=6))[
-        "output_ids"
-    ] == hf_greedy(first, prompt, 6)
+    restored = generate(server, input_ids=prompt, sampling_params=short(max_new_tokens=6))["output_ids"]
+    assert not is_ours or restored == hf_greedy(first, prompt, 6)
 
 
-def test_distributed_weight_update_over_gloo(server, models):
-    """model_runner_components/weight_updater.py: /init_weights_update_group joins rank_offset + tp_rank
+def test_distributed_weight_update_over_gloo(ours, models):
+    """Ours only: gloo on CPU (SGLang joins the group with NCCL on its GPU).
+    model_runner_components/weight_updater.py: /init_weights_update_group joins rank_offset + tp_rank
     to the trainer's group (rank 0), /update_weights_from_distributed receives one broadcast per tensor."""
     first, _ = models["first"]
     second, _ = models["second"]
     prompt = encode(models["tok"])[3]
 
     async def run() -> None:
-        replica = HttpReplica(server)
+        replica = HttpReplica(ours)
         sender = WeightBroadcaster(
             [replica], master_address="127.0.0.1", master_port=free_port(), backend="gloo"
         )
@@ -424,7 +543,7 @@ def test_distributed_weight_update_over_gloo(server, models):
             await replica.close()
 
     asyncio.run(run())
-    assert generate(server, input_ids=prompt, sampling_params=short(max_new_tokens=6))[
+    assert generate(ours, input_ids=prompt, sampling_params=short(max_new_tokens=6))[
         "output_ids"
     ] == hf_greedy(first, prompt, 6)
 
@@ -452,7 +571,7 @@ def test_seed_version_gate():
 
     async def run() -> None:
         replica = HttpReplica("http://127.0.0.1:9")  # never reached: the version is already known
-        replica._version = "0.5.2"
+        replica._info = {"version": "0.5.2"}
         try:
             with pytest.raises(RolloutRequestError, match="0.5.2 has no sampling_params.sampling_seed"):
                 await replica.generate({"input_ids": [1], "sampling_params": {"sampling_seed": 3}})

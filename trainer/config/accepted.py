@@ -111,10 +111,12 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             enable reward_manager launch_reward_fn_async strategy model micro_batch_size
             micro_batch_size_per_gpu max_length use_dynamic_bsz forward_max_token_len_per_gpu
             ulysses_sequence_parallel_size enable_resource_pool n_gpus_per_node nnodes reward_loop_source
-            reward_loop_module_path reward_loop_class_name sandbox_fusion profiler use_reward_loop
+            reward_loop_module_path reward_loop_class_name profiler use_reward_loop
             num_workers rollout reward_kwargs
             """,
         ),
+        # the code-executor bounds its own runs (its --workers and the request's memory_limit_MB)
+        *_under("reward_model.sandbox_fusion", "max_concurrent memory_limit_mb"),
         *_under("algorithm", "use_pf_ppo pf_ppo rollout_correction"),
         # trainer: Ray, HDFS and multi-rank details
         *_under(

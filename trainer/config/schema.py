@@ -496,6 +496,14 @@ class OverlongBuffer(Section):
     log: bool = Field(False, description="Log the penalty as a metric.")
 
 
+class SandboxFusionConfig(Section):
+    url: str | None = Field(
+        None,
+        description="verl's sandbox_fusion.url: the code-executor's /run_code URL (or several, "
+        "comma-separated); reward_model.mode=local runs code rows' tests there.",
+    )
+
+
 class RewardModelConfig(Section):
     mode: Literal["auto", "server", "local"] = Field(
         "auto",
@@ -512,6 +520,9 @@ class RewardModelConfig(Section):
     )
     format_score: float = Field(
         0.0, description="Score of an answer that was found but is wrong (verl's format_score)."
+    )
+    sandbox_fusion: SandboxFusionConfig = Field(
+        default_factory=SandboxFusionConfig, description="Where code rows run their tests (verl's keys)."
     )
     max_error_fraction: float = Field(
         1.0,

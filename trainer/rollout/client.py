@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
@@ -19,7 +20,10 @@ import httpx
 from trainer.rollout.base import Rollout
 from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs, sample_seed
 
+log = logging.getLogger(__name__)
+
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+BUILTIN_ENGINE = "builtin"  # /get_server_info's `engine` on our server; SGLang has no such key
 # sampling_params.sampling_seed arrived in sgl-project/sglang#10678 (merged 2025-09-20), first released in
 # 0.5.3; older servers build SamplingParams(**sampling_params) and answer 400 for the unknown key
 SEED_SINCE = (0, 5, 3)
@@ -89,7 +93,8 @@ class HttpReplica:
         """timeout_s bounds one call; a /generate of long responses can take minutes."""
         self.url = url.rstrip("/")
         self.name = name or self.url
-        self._version: str | None = ...  # type: ignore[assignment]  # ...: not asked yet
+        self._info: dict | None = None  # /get_server_info, asked once
+        self._warned_nondeterministic = False
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -134,21 +139,38 @@ class HttpReplica:
         outputs = await asyncio.gather(*(self.generate(single) for single in singles))
         return rollouts_from_outputs(payload["input_ids"], prompt_index, [o for out in outputs for o in out])
 
+    async def startup_info(self) -> dict:
+        """/get_server_info as the server started (asked once: version, engine, server args)."""
+        if self._info is None:
+            self._info = await self.server_info()
+        return self._info
+
     async def server_version(self) -> str | None:
-        """/get_server_info's `version` (asked once); None when the server does not say."""
-        if self._version is ...:
-            self._version = (await self.server_info()).get("version")
-        return self._version
+        """/get_server_info's `version`; None when the server does not say."""
+        return (await self.startup_info()).get("version")
+
+    async def is_builtin(self) -> bool:
+        return (await self.startup_info()).get("engine") == BUILTIN_ENGINE
 
     async def check_seed_support(self) -> None:
         """Refuse, naming the versions, a seeded request to an SGLang older than sampling_seed: it would
-        answer 400 for the unknown key (or, behind a lenient proxy, sample unseeded)."""
-        version = await self.server_version()
+        answer 400 for the unknown key (or, behind a lenient proxy, sample unseeded). Warn once when the
+        server says it runs without --enable-deterministic-inference: SGLang then ignores sampling_seed
+        (sampling_batch_info.py builds the seeds only in that mode), so samples are random, not seeded."""
+        info = await self.startup_info()
+        version = info.get("version")
         if version is not None and _older(version, SEED_SINCE):
             raise RolloutRequestError(
                 f"{self.url}: SGLang {version} has no sampling_params.sampling_seed (added in "
                 f"{'.'.join(map(str, SEED_SINCE))}); upgrade SGLang or leave the rollout seed unset",
                 400,
+            )
+        if info.get("enable_deterministic_inference") is False and not self._warned_nondeterministic:
+            self._warned_nondeterministic = True
+            log.warning(
+                "%s runs without --enable-deterministic-inference: SGLang ignores sampling_seed there, so "
+                "rollouts are sampled unseeded and do not repeat on a rerun or resume",
+                self.url,
             )
 
     async def health_generate(self, timeout_s: float = 30.0) -> bool:
@@ -168,7 +190,12 @@ class HttpReplica:
     async def continue_generation(self) -> None:
         await self._call("POST", "/continue_generation", {})
 
-    async def get_weight_version(self) -> str:
+    async def get_weight_version(self) -> str | None:
+        """/get_model_info's `weight_version` (SGLang 0.5.23 serves no /get_weight_version); a server whose
+        model info lacks the key is an older release: its /get_weight_version."""
+        info = await self.model_info()
+        if "weight_version" in info:
+            return info["weight_version"]
         return (await self._call("GET", "/get_weight_version")).json()["weight_version"]
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool = False) -> None:
@@ -213,8 +240,19 @@ class HttpReplica:
     async def update_weights_from_tensor(
         self, named_tensors: Mapping, *, weight_version: str | None = None
     ) -> None:
-        """The built-in server's form of the route: one base64 safetensors payload (see protocol.py)."""
+        """The built-in server's form of the route: one base64 safetensors payload (see protocol.py).
+        SGLang takes CUDA-IPC handles per TP rank there, not safetensors, so for an SGLang server this
+        refuses before sending: update it from disk (update_weights_from_disk, a folder both can read) or
+        over a distributed group (init_weights_update_group, update_weights_from_distributed)."""
         from safetensors.torch import save
+
+        if not await self.is_builtin():
+            raise RolloutRequestError(
+                f"{self.url}: update_weights_from_tensor sends safetensors, which only the built-in "
+                "rollout server reads (SGLang expects CUDA-IPC handles); use update_weights_from_disk "
+                "with a checkpoint folder the server can read, or update_weights_from_distributed",
+                400,
+            )
 
         payload = {
             "serialized_named_tensors": [base64.b64encode(save(host_tensors(named_tensors))).decode()],

@@ -3,8 +3,10 @@ or the built-in engine's server; wait until each answers /health; stop them on e
 
 `rollout.name=sglang` uses this when no server URLs are given. Flags are SGLang 0.5.23's
 (sglang/srt/arg_groups/fields/: --model-path, --tp-size, --mem-fraction-static, --enable-memory-saver,
---random-seed, --api-key, --dtype, --host, --port). --enable-memory-saver is what makes
-/release_memory_occupation work for a colocated trainer.
+--random-seed, --api-key, --dtype, --host, --port, --enable-deterministic-inference). --enable-memory-saver
+is what makes /release_memory_occupation work for a colocated trainer; --enable-deterministic-inference is
+what makes SGLang honour a request's sampling_seed (sampling_batch_info.py reads the seeds only in that
+mode), and the fit loop seeds every sample (trainer.seed).
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ def sglang_command(
     seed: int | None = None,
     api_key: str | None = None,
     enable_memory_saver: bool = True,
+    deterministic_inference: bool = False,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
+    """deterministic_inference: seeded sampling (batch-invariant kernels, at some cost in throughput)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path]
     argv += ["--host", host, "--port", str(port), "--tp-size", str(tp_size), "--dtype", dtype]
     if mem_fraction_static is not None:
@@ -53,6 +57,8 @@ def sglang_command(
         argv += ["--api-key", api_key]
     if enable_memory_saver:
         argv.append("--enable-memory-saver")
+    if deterministic_inference:
+        argv.append("--enable-deterministic-inference")
     return argv + list(extra_args)
 
 

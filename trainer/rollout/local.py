@@ -187,19 +187,35 @@ class LocalReplica:
         await self.worker.call(setattr, self.worker, "paused", False)
 
     def load(self) -> dict:
-        """The counts SGLang's /v1/loads reports for its one DP rank (read without a lock: a hint)."""
+        """Every core key of SGLang's LoadSnapshot (srt/managers/load_snapshot.py, 0.5.23) for its one DP
+        rank, read without a lock (a hint). What this engine does not measure is 0: no throughput
+        window, no prefix cache (cache_hit_rate), no disaggregation (prealloc tokens), no prefill
+        timers; decode_moments is None, as SGLang sends it before its first decode step."""
         engine = self.engine
         running = len(engine.running)
         used = sum(len(s.request.prompt) + len(s.tokens) for s in list(engine.running.values()))
+        waiting = list(engine.waiting)
+        waiting_tokens = sum(len(r.prompt) * r.sampling.n for r in waiting)  # no prefix cache: all uncached
         total = engine.config.max_running * engine.config.context_length
         return {
+            "timestamp": time.time(),
             "dp_rank": 0,
             "num_running_reqs": running,
-            "num_waiting_reqs": sum(r.sampling.n for r in list(engine.waiting)),
+            "num_waiting_reqs": sum(r.sampling.n for r in waiting),
+            "num_waiting_uncached_tokens": waiting_tokens,
             "num_used_tokens": used,
+            "num_total_tokens": used + waiting_tokens,  # SGLang: used plus what the queue will need
+            "num_active_tokens": used + waiting_tokens,  # equal to it outside disaggregated decode
+            "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": total,
             "max_running_requests": engine.config.max_running,
-            "token_usage": used / total if total else 0.0,
+            "token_usage": round(used / total, 4) if total else 0.0,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": 0.0,
+            "total_prefill_uncached_tokens": 0,
+            "total_prefill_busy_us": 0,
+            "decode_moments": None,
         }
 
     async def update_weights_from_disk(
@@ -240,10 +256,13 @@ class LocalReplica:
         await self.update_weights_from_tensor(tensors, weight_version=weight_version)
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        await self.worker.call(self.engine.release, tags)
+        """None: everything. SGLang's "cuda_graph" tag is dropped: the graphs go with the KV cache here."""
+        if (engine_tags := _engine_tags(tags)) != []:
+            await self.worker.call(self.engine.release, engine_tags)
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        await self.worker.call(self.engine.resume, tags)
+        if (engine_tags := _engine_tags(tags)) != []:
+            await self.worker.call(self.engine.resume, engine_tags)
 
     async def flush_cache(self) -> None:
         """Nothing to flush: the engine keeps no prefix cache across requests."""
@@ -349,3 +368,11 @@ class LocalReplica:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.worker.close)
+
+
+def _engine_tags(tags: Sequence[str] | None) -> list[str] | None:
+    """SGLang's memory tags as the engine takes them: None stays None (all); "cuda_graph" is no region
+    of its own here, so a list of only that becomes [] (nothing to do)."""
+    if tags is None:
+        return None
+    return [tag for tag in tags if tag != "cuda_graph"]

@@ -400,9 +400,16 @@ class UpdateWeightsFromTensorRequest(BaseModel):
 
 
 class MemoryOccupationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """/release_memory_occupation and /resume_memory_occupation (io_struct.py Release/Resume
+    MemoryOccupationReqInput: BaseReq's rid and http_worker_ipc, then tags; other keys ignored, as
+    SGLang's msgspec structs drop them). constants.py GPU_MEMORY_ALL_TYPES names three tags; the
+    built-in engine frees its CUDA graphs with the KV cache, so "cuda_graph" alone changes nothing."""
 
-    tags: list[Literal["weights", "kv_cache"]] | None = None
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
 
 
 class UpdateWeightsResponse(BaseModel):
