@@ -1,7 +1,8 @@
 """python -m services.code_executor --port 8003 [--workers N] [--max-run-timeout-s S] ...
 
-The sandbox is tried before the server binds its port: where it cannot run programs (no user
-namespaces, no bubblewrap) the process exits non-zero with the reason, and never runs code unsandboxed.
+The sandbox is built and tried once, before the server binds its port: where it cannot run programs
+(no user namespaces, no bubblewrap; not root without --shared-uid) the process exits non-zero with the
+reason, and never runs code unsandboxed.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ def main(argv: list[str] | None = None) -> None:
         CodeExecutorSettings, parser.parse_args(sys.argv[1:] if argv is None else argv)
     )
     try:
-        make_executor(settings)
+        executor = make_executor(settings)
     except SandboxUnavailable as exc:
         sys.exit(f"error: {exc}")
-    serve(create_app(settings), settings)
+    serve(create_app(settings, executor), settings)
 
 
 if __name__ == "__main__":

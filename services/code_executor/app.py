@@ -14,7 +14,7 @@ import os
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import Counter, Gauge, Histogram
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.code_executor.core import Executor, LimitError, Policy, build_executor
@@ -85,6 +85,20 @@ class CodeExecutorSettings(ServiceSettings):
         le=2**31 - 1024,
         description="When the service runs as root, worker N runs its sandboxes as uid uid_base+N.",
     )
+    shared_uid: bool = Field(
+        False,
+        description="Accept running as a user other than root, where every run shares the service's uid "
+        "and its process limit (a fork bomb in one run then stops the others from starting); without it "
+        "a non-root service refuses to start.",
+    )
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> CodeExecutorSettings:
+        if self.default_memory_mb > self.max_memory_mb:
+            raise ValueError(
+                f"default_memory_mb ({self.default_memory_mb}) is above max_memory_mb ({self.max_memory_mb})"
+            )
+        return self
 
     def policy(self) -> Policy:
         return Policy(
@@ -104,6 +118,7 @@ def make_executor(settings: CodeExecutorSettings) -> Executor:
         python=settings.python,
         workers=settings.workers,
         uid_base=settings.uid_base,
+        shared_uid=settings.shared_uid,
         max_queued=settings.max_queued,
         policy=settings.policy(),
     )
@@ -141,11 +156,27 @@ class RunMetrics:
                 self.seconds.observe(response.run_result.execution_time)
 
 
-def create_app(settings: CodeExecutorSettings | None = None) -> FastAPI:
+def document_limits(schemas: dict, settings: CodeExecutorSettings, languages: list[str] | None) -> None:
+    """Write this server's limits into its OpenAPI schemas (in place), so a request the document admits
+    is one the server runs, and one it refuses (422, 413) is one the document excludes."""
+    run = schemas["RunCodeRequest"]["properties"]
+    run["run_timeout"]["maximum"] = settings.max_run_timeout_s
+    run["run_timeout"]["default"] = min(run["run_timeout"]["default"], settings.max_run_timeout_s)
+    memory = run["memory_limit_MB"]
+    del memory["minimum"]
+    memory["anyOf"] = [{"enum": [-1]}, {"minimum": 16, "maximum": settings.max_memory_mb}]
+    if languages is not None:  # known once the executor is built (always, under `python -m`)
+        run["language"]["enum"] = languages
+    schemas["RunBatchRequest"]["properties"]["runs"]["maxItems"] = settings.max_batch_runs
+
+
+def create_app(settings: CodeExecutorSettings | None = None, executor: Executor | None = None) -> FastAPI:
+    """The app; `executor`, when given, is one already built (and probed) for these settings."""
     settings = settings or CodeExecutorSettings()
 
     def load(app: FastAPI) -> None:
-        executor = make_executor(settings)
+        nonlocal executor
+        executor = executor or make_executor(settings)
         app.state.executor = executor
         pool = executor.pool
         app.state.saturation = lambda: (
@@ -157,10 +188,27 @@ def create_app(settings: CodeExecutorSettings | None = None) -> FastAPI:
             "languages": sorted(executor.languages),
             "workers": pool.size,
             "bwrap": executor.sandbox.bwrap,
-            "isolation": "bubblewrap: user, pid, mount, net, ipc, uts, cgroup namespaces; rlimits",
+            "isolation": "bubblewrap: user, pid, mount, net, ipc, uts, cgroup namespaces; rlimits per "
+            "process; memory and CPU time per run (summed from /proc)",
+            "uids": (
+                "one per worker (the service is root)"
+                if pool.uids[0] is not None
+                else "shared (--shared-uid): a fork bomb in one run can stop the others from starting"
+            ),
         }
 
     app = create_service_app("code-executor", settings, load=load, description=__doc__ or "")
+    service_openapi = app.openapi
+
+    def openapi() -> dict:
+        first = app.openapi_schema is None
+        document = service_openapi()
+        if first:
+            languages = sorted(executor.languages) if executor is not None else None
+            document_limits(document["components"]["schemas"], settings, languages)
+        return document
+
+    app.openapi = openapi
     metrics = RunMetrics(app.state.metrics.registry, app)
 
     async def get_executor(state=Depends(require_ready)) -> Executor:

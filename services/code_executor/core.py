@@ -39,7 +39,8 @@ from services.code_executor.schemas import (
 )
 
 MIB = 1024 * 1024
-PROBE_CODE = b"import os, sys\nprint(os.getuid(), os.getpid())\n"
+# long enough for the usage guard to sample it: the probe proves that /proc of a run is readable here
+PROBE_CODE = b"import os, time\nprint(os.getuid(), os.getpid())\ntime.sleep(0.1)\n"
 
 
 class LimitError(ValueError):
@@ -73,10 +74,13 @@ def languages_here(python: str) -> dict[str, Language]:
 
 
 def limits_for(request: RunCodeRequest, policy: Policy) -> Limits:
-    if request.run_timeout > policy.max_run_timeout_s:
+    run_timeout = request.run_timeout
+    if "run_timeout" not in request.model_fields_set:  # SandboxFusion's default, or this server's limit
+        run_timeout = min(run_timeout, policy.max_run_timeout_s)
+    if run_timeout > policy.max_run_timeout_s:
         raise LimitError(
             "run_timeout",
-            f"{request.run_timeout:g} s is above this server's limit of {policy.max_run_timeout_s:g} s",
+            f"{run_timeout:g} s is above this server's limit of {policy.max_run_timeout_s:g} s",
         )
     memory_mb = policy.default_memory_mb if request.memory_limit_MB == -1 else request.memory_limit_MB
     if memory_mb > policy.max_memory_mb or memory_mb < 16:
@@ -86,8 +90,8 @@ def limits_for(request: RunCodeRequest, policy: Policy) -> Limits:
             f"16..{policy.max_memory_mb} (or -1 for its default)",
         )
     return Limits(
-        wall_s=request.run_timeout,
-        cpu_s=math.ceil(request.run_timeout) + 1,  # RLIMIT_CPU is whole seconds; the wall clock rules
+        wall_s=run_timeout,
+        cpu_s=math.ceil(run_timeout) + 1,  # RLIMIT_CPU is whole seconds; the wall clock rules
         memory_bytes=memory_mb * MIB,
         processes=policy.max_processes,
         file_bytes=policy.max_file_mb * MIB,
@@ -170,23 +174,41 @@ class Executor:
         return response
 
 
-def slot_uids(workers: int, uid_base: int) -> list[int | None]:
+def slot_uids(workers: int, uid_base: int, euid: int) -> list[int | None]:
     """Each slot's uid when the service is root (its own, so a run's process limit counts its own
     processes only); None (the service's uid) otherwise."""
-    if os.geteuid() != 0:
+    if euid != 0:
         return [None] * workers
     return [uid_base + index for index in range(workers)]
 
 
+def check_uid_isolation(euid: int, shared_uid: bool) -> None:
+    """Refuse to run every sandbox as one uid unless told to: RLIMIT_NPROC counts a uid's processes
+    host-wide, so a fork bomb in one run would keep every other run (and the service's own
+    subprocesses) from starting until it is killed."""
+    if euid != 0 and not shared_uid:
+        raise SandboxUnavailable(
+            f"the service runs as uid {euid}, not root, so every run would share that uid and its process "
+            "limit: a fork bomb in one run would stop all others from starting. Run it as root (each "
+            "worker then runs its sandboxes as a uid of its own), or accept that risk with --shared-uid "
+            "(CODE_EXECUTOR_SHARED_UID=true)"
+        )
+
+
 async def probe(executor: Executor) -> None:
     """Run a tiny program in every slot's uid; SandboxUnavailable if the sandbox cannot start here."""
-    limits = limits_for(RunCodeRequest(code="", run_timeout=10), executor.policy)
+    limits = limits_for(RunCodeRequest(code=""), executor.policy)
     job = Job(executor.languages["python"], PROBE_CODE, limits)
     for uid in executor.pool.uids:
         outcome = await run_job(executor.sandbox, job, uid)
         if outcome.error is not None or outcome.return_code != 0:
             why = outcome.error or outcome.stderr.decode(errors="replace").strip()
             raise SandboxUnavailable(explain(why))
+        if outcome.usage.peak_memory_bytes == 0:
+            raise SandboxUnavailable(
+                "the usage guard saw no memory in use by the probe's processes: /proc does not show this "
+                "service its runs, so the run-wide memory and CPU limits could not hold"
+            )
 
 
 def explain(why: str) -> str:
@@ -209,12 +231,14 @@ def build_executor(
     python: str | None,
     workers: int,
     uid_base: int,
+    shared_uid: bool,
     max_queued: int,
     policy: Policy,
 ) -> Executor:
     """The executor for these settings, after proving it can run a program (SandboxUnavailable if not)."""
+    check_uid_isolation(os.geteuid(), shared_uid)
     become_subreaper()
-    uids = slot_uids(workers, uid_base)
+    uids = slot_uids(workers, uid_base, os.geteuid())
     interpreter = find_python(python, others_run_it=uids[0] is not None)
     sandbox = Sandbox(
         bwrap=find_bwrap(bwrap),

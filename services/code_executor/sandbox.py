@@ -11,9 +11,15 @@ Isolation comes from the kernel, through bubblewrap, never from Python-level che
 - a clean environment: bubblewrap itself starts with an empty one and `--clearenv`, so neither the
   program nor /proc/1/environ shows the service's variables or secrets;
 - rlimits set by `prlimit` before bubblewrap starts, inherited by everything inside: address space,
-  CPU seconds, processes, file size, open files, no core dumps. When the service runs as root each
-  worker slot runs its sandboxes as a uid of its own (`uid`), so the process limit counts that run's
-  processes alone (and an escape would land as nobody);
+  CPU seconds, processes, file size, open files, no core dumps. These hold per process; the memory
+  and CPU-time limits hold for the whole run through a guard that sums every process of the run from
+  /proc and stops the run past either (usage.py: a memory breach ends as Finished with exit code 137
+  and a note on stderr, like the output limit; a CPU-time breach as TimeLimitExceeded). When the
+  service runs as root each worker slot runs its sandboxes as a uid of its own (`uid`), so the
+  process limit (RLIMIT_NPROC counts per uid, host-wide) counts that run's processes alone, and an
+  escape would land as nobody. Not root, every run shares the service's uid: a fork bomb in one run
+  uses up the process limit of all, so a non-root service refuses to start unless told to accept
+  that (`--shared-uid`, core.check_uid_isolation);
 - wall time, output size and the end of the run enforced from outside: bubblewrap's init is SIGKILLed
   at the deadline or past the output limit, and its death takes down the whole PID namespace,
   setsid'd grandchildren included (`Stopper`). A program that ends by itself takes its namespace
@@ -28,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -40,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.code_executor.schemas import CommandRunStatus
+from services.code_executor.usage import Breach, Usage, guard
 
 SCRATCH_MOUNT = "/tmp"
 WORKDIR = "/tmp/run"
@@ -58,6 +66,12 @@ PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 REAP_POLLS, REAP_POLL_S = 400, 0.005  # up to 2 s for a killed init to be reaped
 STOP_GRACE_S = 2.0  # how long bubblewrap gets to reap its killed init before its group is killed
 OUTPUT_LIMIT_NOTE = "\n[the output limit of {limit} bytes was exceeded; the run was stopped]\n"
+MEMORY_LIMIT_NOTE = (
+    "\n[the run's processes together held more than its memory limit of {limit} MiB; the run was stopped]\n"
+)
+CPU_LIMIT_NOTE = (
+    "\n[the run's processes together used more than its {limit:g} s of CPU time; the run was stopped]\n"
+)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -106,6 +120,7 @@ class Outcome:
     stdout: bytes = b""
     stderr: bytes = b""
     error: str | None = None
+    usage: Usage = field(default_factory=Usage)
 
 
 @dataclass(frozen=True)
@@ -288,14 +303,28 @@ async def run_job(sandbox: Sandbox, job: Job, uid: int | None) -> Outcome:
             os.close(fd)
     stopper = Stopper(process)
     watcher = asyncio.ensure_future(stopper.watch(status_read))
+    usage = Usage()
+    limits = job.limits
+    guarding = asyncio.ensure_future(
+        guard(lambda: stopper.status.get("child-pid"), limits.memory_bytes, limits.cpu_s, stopper.stop, usage)
+    )
     try:
         timed_out, stdout, stderr, over = await supervise(process, job, stopper)
     finally:
+        guarding.cancel()
         await stopper.finish()
         await watcher
         await stopper.reap_init()
     elapsed = time.perf_counter() - start
-    return judge(stopper.status, process.returncode, timed_out, stdout, stderr, over, job.limits, elapsed)
+    await asyncio.wait([guarding])  # its cancellation (or failure) settled
+    if not guarding.cancelled() and guarding.exception() is not None:
+        return Outcome(
+            CommandRunStatus.Error, elapsed, error=f"could not measure the run: {guarding.exception()}"
+        )
+    outcome = judge(
+        stopper.status, process.returncode, timed_out, stdout, stderr, over, usage.breach, limits, elapsed
+    )
+    return dataclasses.replace(outcome, usage=usage)
 
 
 class Stopper:
@@ -435,17 +464,26 @@ def judge(
     stdout: bytes,
     stderr: bytes,
     over: bool,
+    breach: Breach | None,
     limits: Limits,
     elapsed: float,
 ) -> Outcome:
+    """The run's outcome. A memory breach reads like the kernel's OOM kill (Finished, 137, so
+    SandboxFusion's verdict is Failed), with a note on stderr; a CPU-time breach is a time limit."""
     if "child-pid" not in status and not timed_out:
         reason = stderr.decode(errors="replace").strip() or f"bubblewrap exited with {returncode}"
         return Outcome(CommandRunStatus.Error, elapsed, error=f"the sandbox could not start: {reason}")
     if timed_out:
         return Outcome(CommandRunStatus.TimeLimitExceeded, elapsed, None, stdout, stderr)
+    if breach == Breach.cpu:
+        stderr += CPU_LIMIT_NOTE.format(limit=limits.cpu_s).encode()
+        return Outcome(CommandRunStatus.TimeLimitExceeded, elapsed, None, stdout, stderr)
     code = status.get("exit-code", shell_code(returncode))
-    if over:
-        stderr += OUTPUT_LIMIT_NOTE.format(limit=limits.output_bytes).encode()
+    if over or breach == Breach.memory:
+        note = OUTPUT_LIMIT_NOTE.format(limit=limits.output_bytes) if over else ""
+        if breach == Breach.memory:
+            note += MEMORY_LIMIT_NOTE.format(limit=limits.memory_bytes // (1024 * 1024))
+        stderr += note.encode()
         code = 128 + signal.SIGKILL
     return Outcome(CommandRunStatus.Finished, elapsed, code, stdout, stderr)
 

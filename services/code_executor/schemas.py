@@ -26,6 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from services.common.wire import JsonInt
 
 MAX_FILES = 64
+# What `check_relative_path` and the base64 check admit, for the OpenAPI document (so a request the
+# schema admits is one the server takes): a path component is anything but "", "." and "..".
+PATH_PART = r"(?:[^./\x00][^/\x00]*|\.[^./\x00][^/\x00]*|\.\.[^/\x00]+)"
+PATH_PATTERN = rf"^{PATH_PART}(?:/{PATH_PART})*$"
+BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
 class RunStatus(str, Enum):
@@ -60,9 +65,16 @@ class RunCodeRequest(BaseModel):
     files: dict[str, str] = Field(
         default_factory=dict,
         description="Extra files for the run's scratch dir: relative path -> base64 content.",
+        json_schema_extra={
+            "maxProperties": MAX_FILES,
+            "propertyNames": {"pattern": PATH_PATTERN, "maxLength": 255},
+            "additionalProperties": {"type": "string", "pattern": BASE64_PATTERN},
+        },
     )
     fetch_files: list[str] = Field(
-        default_factory=list, description="Accepted only empty: output files are not sent back."
+        default_factory=list,
+        description="Accepted only empty: output files are not sent back.",
+        json_schema_extra={"maxItems": 0},
     )
 
     @field_validator("files")

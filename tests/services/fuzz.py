@@ -1,4 +1,4 @@
-"""Schemathesis runs against the three services' OpenAPI documents, on real processes on loopback.
+"""Schemathesis runs against the services' OpenAPI documents, on real processes on loopback.
 
 Used by tests/services/test_fuzz_openapi.py (a short budget in CI) and bench/fuzz_services.py (the
 longer run recorded in BENCHMARKS.md). `--checks all`: no 5xx, every status and body as documented,
@@ -21,7 +21,7 @@ import httpx
 from tests.helpers import ROOT
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
-SERVICES = ("data-server", "reward-server", "retrieval-server")
+SERVICES = ("data-server", "reward-server", "retrieval-server", "code-executor")
 
 
 def write_corpus(path: Path, passages: int = 200) -> Path:
@@ -61,6 +61,15 @@ def service_args(service: str, index: Path | None = None) -> tuple[str, list[str
             "2",
             "--max-items",
             "256",
+        ]
+    if service == "code-executor":  # short runs and small batches: a fuzzed request is a real run
+        return "services.code_executor", [
+            "--workers",
+            "2",
+            "--max-run-timeout-s",
+            "2",
+            "--max-batch-runs",
+            "8",
         ]
     if index is None:
         raise ValueError("the retrieval-server needs an index folder")

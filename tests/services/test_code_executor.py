@@ -1,8 +1,9 @@
 """code-executor as a real process: HumanEval through the scorer, hostile programs, bad input, refusal.
 
 The hostile programs run all at once beside a stream of good requests; each must end within its
-limits as a failed run (never a 5xx or a hang), leave no process of the sandbox uids and nothing on
-the host's disk, and every good request must succeed meanwhile.
+limits as a failed run (never a 5xx or a hang), leave no process under the server and nothing on
+the host's disk, and every good request must succeed meanwhile. The run-wide usage guard (usage.py)
+is also tested on its own, on plain processes: shared pages counted once, CPU time summed.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import httpx
 import pytest
 
 from services.code_executor.client import CodeExecutorClient
+from services.code_executor.core import LimitError, Policy, check_uid_isolation, limits_for
+from services.code_executor.sandbox import SandboxUnavailable
 from services.code_executor.schemas import RunCodeRequest
+from services.code_executor.usage import Breach, Usage, guard, measure
 from services.data_server.sources import load_spec
 from services.scoring import LocalScorer
-from tests.helpers import ROOT, free_port, service_process
+from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bubblewrap is Linux-only")
 
@@ -36,7 +40,8 @@ MARKER = f"pwned-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
-def server():
+def service():
+    """(url, process) of a code-executor as root: each worker's sandboxes run as a uid of their own."""
     args = [
         "--workers",
         str(WORKERS),
@@ -58,17 +63,32 @@ def server():
         "warning",
     ]
     with service_process("services.code_executor", *args, env={"SECRET_TOKEN": SECRET}) as (url, proc):
-        yield url
+        yield url, proc
+
+
+@pytest.fixture(scope="module")
+def server(service):
+    return service[0]
 
 
 def run(url: str, code: str, timeout: float = 30, **fields) -> httpx.Response:
     return httpx.post(url + "/run_code", json={"code": code, "language": "python", **fields}, timeout=timeout)
 
 
-def sandbox_processes() -> list[str]:
-    """Processes owned by the sandbox uids of this test's server (there must be none between runs)."""
-    listing = subprocess.run(["ps", "-eo", "uid=,pid=,args="], capture_output=True, text=True).stdout
-    return [line for line in listing.splitlines() if UID_BASE <= int(line.split()[0]) < UID_BASE + WORKERS]
+def descendants(pid: int) -> list[str]:
+    """Every process under `pid`, whatever its uid (`ps` lines): between runs a server has none, as a
+    run's processes all descend from it through bubblewrap, or are re-parented to it as a subreaper."""
+    listing = subprocess.run(["ps", "-eww", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in listing.splitlines()]
+    children: dict[int, list[list[str]]] = {}
+    for row in rows:
+        children.setdefault(int(row[1]), []).append(row)
+    found, todo = [], [pid]
+    while todo:
+        for row in children.get(todo.pop(), []):
+            found.append(" ".join(row))
+            todo.append(int(row[0]))
+    return found
 
 
 # ---------------------------------------------------------------- the API as verl and SandboxFusion use it
@@ -185,6 +205,12 @@ HOSTILE = {
         "TimeLimitExceeded",
     ),
     "memory bomb": ("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))\n", "Finished"),
+    # each child holds 100 MiB, under the 256 MiB limit of each process; together 400 MiB, over the run's
+    "memory bomb in children": (
+        "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        block = b'x' * (100 << 20)\n"
+        "        time.sleep(30)\nfor _ in range(4):\n    os.wait()\n",
+        "Finished",
+    ),
     "disk filler": (
         "i = 0\nwhile True:\n    open(f'fill{i}', 'wb').write(b'x' * (1 << 20))\n    i += 1\n",
         "Finished",
@@ -278,6 +304,8 @@ def test_hostile_program_fails_within_its_limits(hostile_outcomes, name):
         assert "output limit" in result["stderr"]
     if name == "memory bomb":
         assert "MemoryError" in result["stderr"]
+    if name == "memory bomb in children":
+        assert result["return_code"] == 137 and "memory limit of 256 MiB" in result["stderr"]
     if name == "disk filler":
         assert "No space left on device" in result["stderr"]
     if name == "reads secrets":
@@ -288,9 +316,9 @@ def test_hostile_program_fails_within_its_limits(hostile_outcomes, name):
         assert result["stdout"] == "[]\n"
 
 
-def test_hostile_programs_leave_nothing_behind(hostile_outcomes):
+def test_hostile_programs_leave_nothing_behind(service, hostile_outcomes):
     _, _, before = hostile_outcomes
-    assert sandbox_processes() == []
+    assert descendants(service[1].pid) == []
     for path in (f"/usr/{MARKER}", f"/etc/{MARKER}", f"/{MARKER}", f"/root/{MARKER}", f"/dev/{MARKER}"):
         assert not os.path.exists(path), path
     assert not os.path.exists(ROOT / MARKER)
@@ -303,6 +331,17 @@ def test_good_requests_succeed_beside_hostile_ones(hostile_outcomes):
     assert len(good) >= 10
     for status, text, _ in good:
         assert status == 200 and json.loads(text)["run_result"]["stdout"] == "45\n", text
+
+
+def test_the_process_check_sees_a_run_while_it_runs(service):
+    # the negative control of leave_nothing_behind: the sandbox's processes are the server's descendants
+    url, proc = service
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sleeper = pool.submit(run, url, "import time\ntime.sleep(1.5)")
+        time.sleep(0.8)
+        during = descendants(proc.pid)
+        assert sleeper.result().json()["status"] == "Success"
+    assert any("bwrap" in line for line in during) and any("main.py" in line for line in during), during
 
 
 # ---------------------------------------------------------------- bad input, limits, refusal
@@ -365,3 +404,110 @@ def test_refuses_to_start_without_a_working_sandbox(tmp_path):
     assert done.returncode != 0
     assert "the sandbox cannot run programs here" in done.stderr and "user namespaces" in done.stderr
     assert "unsandboxed" in done.stderr
+
+
+def test_refuses_to_share_one_uid_between_runs_unless_told_to():
+    with pytest.raises(SandboxUnavailable, match="--shared-uid"):
+        check_uid_isolation(euid=65534, shared_uid=False)
+    check_uid_isolation(euid=65534, shared_uid=True)
+    check_uid_isolation(euid=0, shared_uid=False)
+
+
+def system_python_for_nobody() -> str | None:
+    """A system interpreter of this one's version, which nobody may run with this venv's packages."""
+    candidate = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    usable = os.path.exists(candidate) and os.access("/usr/bin/setpriv", os.X_OK) and os.geteuid() == 0
+    return candidate if usable else None
+
+
+@pytest.mark.skipif(system_python_for_nobody() is None, reason="needs root, setpriv and a system python")
+def test_as_nobody_refuses_and_with_shared_uid_holds_the_run_wide_memory_limit():
+    site = next(path for path in sys.path if path.endswith("site-packages") and ".venv" in path)
+    port = free_port()
+    command = ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    command += [system_python_for_nobody(), "-m", "services.code_executor", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--workers", "1", "--log-level", "warning"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{ROOT}"}
+    done = subprocess.run(command, cwd="/tmp", env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "uid 65534, not root" in done.stderr, done.stderr
+    proc = subprocess.Popen(command + ["--shared-uid"], cwd="/tmp", env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 60, proc)
+        assert httpx.get(url + "/health").json()["uids"].startswith("shared")
+        answer = run(url, hostile_code("memory bomb in children", port), memory_limit_MB=256).json()
+        assert answer["run_result"]["return_code"] == 137, answer
+        assert "memory limit of 256 MiB" in answer["run_result"]["stderr"]
+    finally:
+        stop_process(proc)
+
+
+# ---------------------------------------------------------------- the run-wide guard, on plain processes
+
+SHARED_AFTER_FORK = """import os, sys, time
+block = b'x' * (64 << 20)
+kids = [os.fork() for _ in range(3)]  # 8 processes sharing one 64 MiB block, none writing to it
+if all(kids):
+    print('ready', flush=True)
+time.sleep(30)
+"""
+
+
+def spawn(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.3)  # the last forks may still be starting
+    return proc
+
+
+def test_memory_shared_after_fork_counts_once():
+    proc = spawn(SHARED_AFTER_FORK)
+    try:
+        # each of the 8 processes has the 64 MiB block resident: 512 MiB as a sum of resident sets,
+        # 64 MiB (+ a few MiB of interpreter each) counted by proportional share
+        bound, _ = measure(proc.pid, memory_limit=1 << 40)
+        exact, _ = measure(proc.pid, memory_limit=0)
+        assert bound > 8 * 64 << 20
+        assert 64 << 20 < exact < (64 + 8 * 8) << 20, exact
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+SPINNERS = """import os, sys
+if os.fork():
+    print('ready', flush=True)
+while True:
+    pass
+"""
+
+
+def test_guard_stops_a_run_over_its_cpu_time_summed_over_processes():
+    proc = spawn(SPINNERS)
+    usage = Usage()
+    stopped = []
+    try:
+        started = time.monotonic()
+        asyncio.run(guard(lambda: proc.pid, 1 << 40, 0.6, lambda: stopped.append(1), usage, 0.02))
+        took = time.monotonic() - started
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert usage.breach == Breach.cpu and stopped == [1] and 0.6 < usage.cpu_s < 1.5
+    assert took < 5.0
+
+
+def test_an_omitted_run_timeout_is_sandbox_fusions_10_s_or_the_server_limit():
+    policy = Policy(
+        max_run_timeout_s=2.0,
+        default_memory_mb=64,
+        max_memory_mb=128,
+        max_processes=8,
+        max_file_mb=1,
+        scratch_mb=1,
+        max_output_bytes=1024,
+    )
+    assert limits_for(RunCodeRequest(code=""), policy).wall_s == 2.0  # not SandboxFusion's 10 s: refused
+    assert limits_for(RunCodeRequest(code="", run_timeout=1.5), policy).wall_s == 1.5
+    with pytest.raises(LimitError, match="run_timeout"):
+        limits_for(RunCodeRequest(code="", run_timeout=10), policy)
