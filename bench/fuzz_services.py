@@ -35,7 +35,7 @@ def retrieval_index(work_dir: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=300, help="schemathesis time budget per service")
-    parser.add_argument("--service", action="append", choices=SERVICES, help="default: all three")
+    parser.add_argument("--service", action="append", choices=SERVICES, help="default: all four")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/retrieval_bench"))
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()

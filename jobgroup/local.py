@@ -8,8 +8,9 @@
 Services: data-server :8000, reward-server :8001, retrieval-server :8002 (only with an index:
 --retrieval-index DIR, or --retrieval-corpus FILE.jsonl to build one first), code-executor :8003 (only
 when asked: USE_CODE_EXECUTOR=true, or `code` in --services; it needs bubblewrap and user namespaces,
-and refuses to start without them). USE_RETRIEVAL and USE_CODE_EXECUTOR are flags (true/false, 1/0,
-yes/no) as in the SkyPilot job group; USE_RETRIEVAL decides when set: false leaves the
+and refuses to start without them, or as a user other than root unless CODE_EXECUTOR_SHARED_UID=true
+accepts that all runs share one uid's process limit). USE_RETRIEVAL and USE_CODE_EXECUTOR are flags
+(true/false, 1/0, yes/no) as in the SkyPilot job group; USE_RETRIEVAL decides when set: false leaves the
 retrieval-server out even with an index, true requires one. With the retrieval-server in the group,
 `run` trains with search (the trainer gets actor_rollout_ref.rollout.multi_turn.enable=true); with the
 code-executor, the reward-server gets --code-executor-url and `run` trains with the code interpreter
