@@ -226,8 +226,8 @@ def set_value(field: str):
         "token_ids_logprob": [1, 2],
         "modalities": ["image"],
         "mm_processor_kwargs": {"k": 1},
-        "multi_item_delimiter_indices": [1],
-        "token_indices_to_pool": [1],
+        "multi_item_delimiter_indices": [0],  # a position list is set even when it names token 0
+        "token_indices_to_pool": [0],
     }
     return special.get(field, "x")
 

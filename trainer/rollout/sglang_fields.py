@@ -144,6 +144,9 @@ SAMPLING_REFUSED: dict[str, Any] = {
 SAMPLING_FIELDS = SAMPLING_HONOURED | SAMPLING_HINTS | frozenset(SAMPLING_REFUSED)
 
 
+POSITION_LISTS = frozenset({"multi_item_delimiter_indices", "token_indices_to_pool"})
+
+
 def is_unset(value: Any) -> bool:
     """null, false, 0, "", or a list / dict of nothing but those (SGLang normalizes [None] * n the same)."""
     if value is None or value is False or value == 0 or value == "":
@@ -162,7 +165,9 @@ def refused_field(body: dict, refused, path: str = "") -> str | None:
             continue
         value = body[name]
         neutral = refused.get(name) if isinstance(refused, dict) else None
-        if is_unset(value) or value == neutral:
+        # a list of token positions is set whatever its numbers: [0] names the first token
+        positions = name in POSITION_LISTS and isinstance(value, list) and any(v is not None for v in value)
+        if (is_unset(value) or value == neutral) and not positions:
             continue
         return f"{path}{name} is not supported by this server (the built-in engine); leave it unset" + (
             f" or {neutral!r}" if neutral not in (None, 0, 0.0) else ""
