@@ -231,6 +231,27 @@ def test_kl_in_reward_with_an_exactly_on_policy_update_runs(tiny_model, seven_da
     assert all(m["actor/reward_kl_penalty_coeff"] == 0.1 for m in steps)
 
 
+@pytest.mark.gpu
+def test_a_one_process_run_trains_on_a_gpu_with_the_built_in_engine(tiny_model, seven_data, tmp_path):
+    """The one-process path on CUDA, start to end: `trainer.device=cuda` (a bare "cuda", which
+    torch.cuda.set_device refused until resolve_device gave it this process's index; issue 29's first
+    GPU run died there) with the built-in engine's Triton kernels and CUDA graphs."""
+    args = [a for a in common_args(tiny_model, tmp_path, 2) if a != "trainer.device=cpu"]
+    train(
+        args
+        + [
+            "trainer.device=cuda",
+            f"data.train_files={seven_data / 'parquet/train.parquet'}",
+            "reward_model.mode=local",
+            "trainer.save_freq=-1",
+            "actor_rollout_ref.rollout.name=builtin",
+        ]
+    )
+    steps = [m for m in metrics_of(tmp_path) if "critic/score/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["actor/grad_norm"] > 0 for m in steps)
+
+
 def server_args(data_url: str, reward_port: int) -> list[str]:
     return [
         "data.source=server",
