@@ -519,7 +519,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     correct: dict[str, list[float]] = defaultdict(list)
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
-    dropped = 0
+    dropped, errors, scored, first_error = 0, 0, 0, None
     sampling = dataclasses.replace(
         run.val_sampling, seed=sampling_seed(cfg.trainer.seed, step, 0, validation=True)
     )
@@ -533,13 +533,18 @@ async def validate(run: Run, step: int) -> dict[str, float]:
                 source = group.prompt.data_source
                 correct[source] += group.correct
                 rewards[source] += group.scores
+                errors, scored = errors + group.errors, scored + len(group.scores)
+                first_error = first_error or group.first_error
                 for response, score in zip(group.responses, group.scores):
                     if len(samples) < cfg.trainer.log_val_generations:
                         prompt = run.tokenizer.decode(group.prompt.prompt_ids, skip_special_tokens=True)
                         samples.append({"input": prompt, "output": response, "score": score})
+    # A validation of uncomputable rewards would report an accuracy of 0 as if measured: the same stop
+    # as a training round's
+    error_fraction = check_reward_errors(errors, scored, cfg.reward_model.max_error_fraction, first_error)
     if samples:
         run.tracker.log_generations(samples, step)
-    metrics = {}
+    metrics = {"val-aux/reward/error_fraction": error_fraction} if errors else {}
     for source, right in correct.items():
         metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(right))
         metrics[f"val-aux/{source}/reward/mean@{n}"] = float(np.mean(rewards[source]))

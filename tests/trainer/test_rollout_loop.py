@@ -85,6 +85,23 @@ def test_a_run_whose_rewards_cannot_be_computed_stops_in_one_line(tiny_model, se
     assert "Traceback" not in done.stderr.splitlines()[-1]
 
 
+def test_a_validation_whose_rewards_cannot_be_computed_stops_in_one_line(tiny_model, seven_data, tmp_path):  # noqa: F811
+    """trainer.val_only over a validation split no scorer knows: its accuracy of 0 would read as
+    measured, so validation stops as a training round does, naming the share and the first error."""
+    rows = pd.read_parquet(seven_data / "parquet/test.parquet")
+    rows["data_source"] = "no-such-benchmark"
+    (tmp_path / "data" / "parquet").mkdir(parents=True)
+    rows.to_parquet(tmp_path / "data" / "parquet/test.parquet")
+    args = local_args(tiny_model, seven_data, tmp_path) + [
+        f"data.val_files={tmp_path / 'data' / 'parquet/test.parquet'}",
+        "trainer.val_only=true",
+    ]
+    done = train(args, check=False)
+    assert done.returncode != 0
+    assert "rewards could not be computed" in done.stderr and "no-such-benchmark" in done.stderr
+    assert "Traceback" not in done.stderr.splitlines()[-1]
+
+
 def test_a_step_where_some_rewards_cannot_be_computed_trains_and_logs_their_share(
     tiny_model,  # noqa: F811
     seven_data,  # noqa: F811
