@@ -325,6 +325,8 @@ IMAGES = {
 }
 PORTS = {"data-server": 8000, "reward-server": 8001, "retrieval-server": 8002}
 CORPUS_ROWS = 300
+# Set once this module has built the images in a session: test_multinode.py then runs them as they are.
+IMAGES_BUILT = pytest.StashKey[bool]()
 
 
 def start_docker() -> str | None:
@@ -338,6 +340,18 @@ def start_docker() -> str | None:
     if done.returncode != 0:
         return f"{DOCKER_HERE.name} failed: {done.stderr.strip()[-500:]}"
     return None
+
+
+def release_disk() -> None:
+    """Drop untagged images, and under the vfs storage driver the build cache too. Under vfs (CI's Docker)
+    every layer is a full copy of the image's files, and the build cache holds on to the layers of the
+    images a rebuild untagged: ~4 GB a run with a code change, which a reused machine piles up until a
+    container cannot be created (it happened to a CI run). The tagged images stay; so does the build
+    cache of a developer's copy-on-write driver, where it costs little."""
+    subprocess.run(["docker", "image", "prune", "--force"], capture_output=True, timeout=600)
+    driver = subprocess.run(["docker", "info", "-f", "{{.Driver}}"], capture_output=True, timeout=60)
+    if driver.stdout.strip() == b"vfs":
+        subprocess.run(["docker", "builder", "prune", "--force"], capture_output=True, timeout=600)
 
 
 def stage_cpu_torch() -> str:
@@ -463,7 +477,9 @@ def group(request, tmp_path_factory):
     run = Group(f"rljg-test-{os.getpid()}", env, Path(env["RETRIEVAL_CORPUS_FILE"]), Path(env["GSM8K_DIR"]))
     report = request.config.pluginmanager.get_plugin("terminalreporter")
     try:
+        release_disk()  # what an earlier run left
         run.timed("build (3 images)", "build", *BUILT, timeout=2400)
+        request.config.stash[IMAGES_BUILT] = True
         run.timed("up (services healthy, trainer started)", "up", "--detach", "--no-build", timeout=900)
         start = time.monotonic()
         waited = run.compose("wait", TRAINER, timeout=900, check=False)
@@ -474,8 +490,7 @@ def group(request, tmp_path_factory):
         yield run
     finally:
         run.timed("down", "down", "--volumes", "--remove-orphans", timeout=300)
-        # Images that a rebuild untagged: gigabytes each under the vfs storage driver.
-        subprocess.run(["docker", "image", "prune", "--force"], capture_output=True, timeout=600)
+        release_disk()  # the images this run's build replaced
         lines = [f"docker compose: {label} {seconds:.0f} s" for label, seconds in run.timings.items()]
         lines += [f"docker image {label}: {image_size_mb(image):.0f} MB" for label, image in IMAGES.items()]
         # Straight to the terminal, past pytest's output capture, so CI's log shows the times under -q.

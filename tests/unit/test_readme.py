@@ -40,7 +40,7 @@ NOT_RUN_HERE = {
     "sky": "SkyPilot and a cloud",
     "docker": "a Docker engine (tests/e2e/test_compose.py runs the compose group)",
     "$compose": "a Docker engine (tests/e2e/test_compose.py)",
-    "curl": "a running service (tests/services start each on loopback)",
+    "curl": "a running service (tests/services/test_docs_requests.py sends each to one)",
     "bash": "the whole setup or demo (CI runs quickstart.sh --setup-only)",
 }
 SHELL_SETUP = ("export", "compose=", "source")  # environment lines, nothing to check
