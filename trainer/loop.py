@@ -65,7 +65,7 @@ from trainer.build import (
 )
 from trainer.parallel.groups import MEMORY_METRICS
 from trainer.parallel.placement import WorkerGroupError
-from trainer.rewards import Scores, check_reward_errors, reward_items, scores_of
+from trainer.rewards import RewardErrors, Scores, check_reward_errors, reward_items, scores_of
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.metrics import rollout_logprob_gap
 from trainer.workers.engines import KV_CACHE
@@ -133,8 +133,10 @@ async def train(run: Run) -> dict[str, float]:
             if should(cfg.trainer.save_freq, step, run.total_steps):
                 run.tracker.log(timed("save_checkpoint", save, run, step), step)
         return metrics
-    except ServiceError as exc:
-        # Keep the finished steps, with the cursor and random streams from right after the last of them.
+    except (ServiceError, RewardErrors) as exc:
+        # A service that stays down, or rewards that cannot be computed (a scorer's outage comes back as
+        # per-item errors): keep the finished steps, with the cursor and random streams from right after
+        # the last of them.
         # A step that failed before its update changed no weights, but it may have fetched its prompts: it
         # is not finished, so a resumed run trains on that batch instead of skipping it. A step whose
         # validation failed is finished: its row is logged and it is saved as itself, else a resumed run
@@ -147,9 +149,10 @@ async def train(run: Run) -> dict[str, float]:
             path = save(run, done, data_cursor=cursor, rng_state=rng_state)
         else:
             path = latest_checkpoint(checkpoint_root(cfg))
-        raise TrainingAborted(
-            f"a service stayed unreachable at step {step}: {exc}; last usable checkpoint: {path or 'none'}"
-        ) from exc
+        what = f"a service stayed unreachable at step {step}: {exc}"
+        if isinstance(exc, RewardErrors):
+            what = f"{exc} (step {step})"
+        raise TrainingAborted(f"{what}; last usable checkpoint: {path or 'none'}") from exc
     except WorkerGroupError as exc:
         # A rank died or failed and its group is shut down: nothing is left to save from.
         path = latest_checkpoint(checkpoint_root(cfg))

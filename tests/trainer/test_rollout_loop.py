@@ -102,6 +102,27 @@ def test_a_validation_whose_rewards_cannot_be_computed_stops_in_one_line(tiny_mo
     assert "Traceback" not in done.stderr.splitlines()[-1]
 
 
+def test_a_validation_without_rewards_mid_run_keeps_the_steps_before_it(tiny_model, seven_data, tmp_path):  # noqa: F811
+    """Step 2's validation gets only reward errors (as a scorer's outage gives them: per item): the run
+    stops as it does when a service stays down, keeping steps 1 and 2, their rows and step 2 saved, though
+    save_freq is past the run. Unkept, a resumed run would train them again."""
+    rows = pd.read_parquet(seven_data / "parquet/test.parquet")
+    rows["data_source"] = "no-such-benchmark"
+    (tmp_path / "data" / "parquet").mkdir(parents=True)
+    rows.to_parquet(tmp_path / "data" / "parquet/test.parquet")
+    args = local_args(tiny_model, seven_data, tmp_path) + [
+        f"data.val_files={tmp_path / 'data' / 'parquet/test.parquet'}",
+        "trainer.test_freq=2",
+        "trainer.save_freq=100",
+    ]
+    done = train(args, check=False)
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "rewards could not be computed" in error[0], done.stderr[-3000:]
+    assert "(step 2)" in error[0] and error[0].endswith("global_step_2")
+    assert [m["step"] for m in metrics_of(tmp_path) if "actor/pg_loss" in m] == [1, 2]
+    assert load_train_state(tmp_path / "ckpt" / "global_step_2").step == 2
+
+
 def test_a_step_where_some_rewards_cannot_be_computed_trains_and_logs_their_share(
     tiny_model,  # noqa: F811
     seven_data,  # noqa: F811
