@@ -12,6 +12,7 @@ import asyncio
 import base64
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -433,3 +434,24 @@ def test_weight_checkpoints_go_to_the_shared_folder_the_env_names(server, models
         manager.close()
         restore = post(server, "/update_weights_from_disk", {"model_path": first_dir, "weight_version": "r"})
         assert restore.json()["success"] is True
+    assert (shared / "latest" / "model.safetensors").exists()  # the user's folder: left as it is
+
+
+def test_weight_checkpoints_in_a_temporary_folder_are_removed_at_close(server, models):
+    """No ROLLOUT_WEIGHTS_DIR: the manager writes to a folder of its own (a full model copy, in /dev/shm
+    where there is one) and removes it when it closes."""
+    from trainer.rollout.factory import build_rollout
+
+    first, first_dir = models["first"]
+    manager = build_rollout(
+        "sglang", pad_id=models["tok"].pad_token_id, model_path=first_dir, server_urls=[server]
+    )
+    try:
+        manager.load_weights(models["second"][0].state_dict())
+        written = Path(httpx.get(server + "/get_model_info").json()["model_path"])
+        assert (written / "model.safetensors").exists()
+    finally:
+        manager.close()
+        restore = post(server, "/update_weights_from_disk", {"model_path": first_dir, "weight_version": "r"})
+        assert restore.json()["success"] is True
+    assert not written.parent.exists()

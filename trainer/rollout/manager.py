@@ -53,6 +53,7 @@ class RolloutManager:
         self.servers = servers
         self.config_dir = config_dir
         self._weights_dir = weights_dir
+        self._temporary_weights_dir: str | None = None  # made at the first write when none was named
         self._last_checkpoint: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-manager", daemon=True)
@@ -109,8 +110,8 @@ class RolloutManager:
         self._loop.close()
         if self.servers is not None:
             self.servers.stop()
-        if self._weights_dir is None and self._last_checkpoint is not None:
-            shutil.rmtree(Path(self._last_checkpoint).parent, ignore_errors=True)
+        if self._temporary_weights_dir is not None:  # a full copy of the model, in /dev/shm where it can
+            shutil.rmtree(self._temporary_weights_dir, ignore_errors=True)
 
     # -------------------------------------------------------------------------------- internals
 
@@ -168,7 +169,11 @@ class RolloutManager:
 
     def _write_checkpoint(self, source) -> str:
         """The weights as a transformers checkpoint folder (config + safetensors); returns its path."""
-        root = Path(self._weights_dir or tempfile.mkdtemp(prefix="rollout-weights-", dir=_fast_tmp()))
+        if self._weights_dir is None:
+            self._weights_dir = self._temporary_weights_dir = tempfile.mkdtemp(
+                prefix="rollout-weights-", dir=_fast_tmp()
+            )
+        root = Path(self._weights_dir)
         folder = root / "latest"
         staging = root / "staging"
         shutil.rmtree(staging, ignore_errors=True)
@@ -188,8 +193,6 @@ class RolloutManager:
             source.save_pretrained(staging, safe_serialization=True)
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
-        if self._weights_dir is None:
-            self._weights_dir = str(root)
         self._last_checkpoint = str(folder)
         return str(folder)
 
