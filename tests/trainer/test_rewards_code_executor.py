@@ -59,3 +59,28 @@ def test_verls_sandbox_fusion_url_key_takes_effect_and_its_bounds_are_accepted()
         ]
     )
     assert cfg.reward_model.sandbox_fusion.url == "http://code:8003/run_code"
+
+
+@pytest.mark.parametrize(
+    ("scored_by", "notice"),
+    [
+        (["reward_model.mode=local"], None),
+        (
+            ["reward_model.mode=server", "services.reward_url=http://reward:8001"],
+            "with reward_model.mode=server",
+        ),
+        (["reward_model.mode=local", "custom_reward_function.path=REWARD"], "custom_reward_function"),
+    ],
+)
+def test_sandbox_fusion_url_where_it_has_no_effect_says_so(scored_by, notice, tmp_path):
+    """Only the in-process scorer runs code rows on sandbox_fusion.url; elsewhere the key is named."""
+    from trainer.config.cli import load_config
+
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
+    args = [arg.replace("REWARD", str(reward)) for arg in scored_by]
+    cfg = load_config(["reward_model.sandbox_fusion.url=http://code:8003/run_code", *args])
+    said = [line for line in cfg.notices() if "sandbox_fusion.url" in line]
+    assert said == [] if notice is None else len(said) == 1 and notice in said[0]

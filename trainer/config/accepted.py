@@ -115,7 +115,8 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             num_workers rollout reward_kwargs
             """,
         ),
-        # the code-executor bounds its own runs (its --workers and the request's memory_limit_MB)
+        # the code-executor bounds its own runs (its --workers); each test case asks for 1024 MiB, verl's
+        # default memory_limit_mb (services.scoring's code_memory_mb)
         *_under("reward_model.sandbox_fusion", "max_concurrent memory_limit_mb"),
         *_under("algorithm", "use_pf_ppo pf_ppo rollout_correction"),
         # trainer: Ray, HDFS and multi-rank details

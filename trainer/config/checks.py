@@ -57,6 +57,16 @@ def notices(config: Config) -> list[str]:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
     if config.no_effect_keys:
         lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
+    if config.reward_model.sandbox_fusion.url and config.reward_model.mode == "server":
+        lines.append(
+            "reward: reward_model.sandbox_fusion.url has no effect with reward_model.mode=server: the "
+            "reward-server runs code rows on its own --code-executor-url"
+        )
+    elif config.reward_model.sandbox_fusion.url and config.custom_reward_function.path:
+        lines.append(
+            "reward: reward_model.sandbox_fusion.url has no effect: custom_reward_function.path scores "
+            "every row"
+        )
     lines += tool_config_notices(config)
     return lines
 
