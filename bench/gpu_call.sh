@@ -9,7 +9,7 @@
 #   here:    bash bench/carry_model.sh pack && bash bench/carry_model.sh pack-search
 #   call 1:  carry ["runs/carry/a", "runs/carry/search"]   command: bash bench/gpu_call.sh stash
 #   (call 1b, only when call 1 says scipy is missing: carry ["runs/carry/scipy"], same command)
-#   call 2:  carry ["runs/carry/b", "runs/carry/deps"]     command: BUDGET_S=600 bash bench/gpu_call.sh start
+#   call 2:  carry ["runs/carry/b", "runs/carry/deps"]     command: bash bench/gpu_call.sh start
 #   then:    bash bench/gpu_call.sh wait 540   (each call brings back what has finished so far, in $OUT)
 # `run` instead of `start` runs the stages in the foreground of one call.
 set -uo pipefail
@@ -85,7 +85,6 @@ wait_for() {  # up to $1 s, or until every stage has finished; then bring back t
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv
 }
 
-BUDGET_S=${BUDGET_S:-600}
 case "${1:-}" in
   stash) stash ;;
   run) setup && stages && wait_for 0 ;;

@@ -676,7 +676,7 @@ def arm_env(ctx: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------------------------------ TRL
 
 
-def train_trl(ctx: argparse.Namespace, run: Path, s: Shared, lr: float) -> int | None:
+def train_trl(ctx: argparse.Namespace, run: Path, s: Shared, lr: float) -> dict:
     """TRL's GRPOTrainer with the recipe's settings at `lr`, stopped by a step clock like ours; publishes
     its points and appends its steps to run/steps.jsonl. Returns the divergence record: the steps whose
     gradient was not finite and were skipped, and the step it stopped at if that kept happening."""
@@ -743,7 +743,8 @@ def step_clock(run: Path, mark_list: list[float]):
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
-            self.clock, self.last, self.begun = 0.0, 0.0, 0.0
+            self.clock, self.begun = 0.0, 0.0
+            self.durations: list[float] = []
             self.pending = list(enumerate(mark_list, 1))
             self.saved_step: int | None = None
             self.diverged_at: int | None = None
@@ -754,27 +755,31 @@ def step_clock(run: Path, mark_list: list[float]):
             self.begun = time.monotonic()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.last = time.monotonic() - self.begun
-            self.clock += self.last
-            # The next step would end past the mark (if it lasts as long as this one): these weights are
-            # the latest before it. A step that ran long may already be past it; then it is saved anyway.
-            while self.pending and self.clock + self.last > self.pending[0][1]:
+            self.durations.append(time.monotonic() - self.begun)
+            self.clock += self.durations[-1]
+            # The next step would end past the mark (if it lasts as long as the longer of the last two:
+            # TRL generates every other optimizer step here, so its steps alternate long and short):
+            # these weights are the latest before it. A step that ran long may already be past it; then
+            # it is saved anyway.
+            while self.pending and self.clock + max(self.durations[-2:]) > self.pending[0][1]:
                 index, _ = self.pending.pop(0)
                 if self.saved_step != state.global_step:
                     weights = run / "weights" / f"step_{state.global_step}"
                     kwargs["model"].save_pretrained(weights)
                     publish(run, Point(index, state.global_step, self.clock, str(weights)))
                     self.saved_step = state.global_step
-            control.should_training_stop = not self.pending
+            if not self.pending:  # never back to False: a run of skipped steps may have stopped it
+                control.should_training_stop = True
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             # A NaN gradient norm (both TRL arms met one at the same step whatever their lr, so a batch
             # rather than the lr) would leave NaN weights through the clipping's NaN scale. The step is
             # skipped instead, as mixed-precision trainers skip an overflowed step: no gradient, so AdamW
-            # leaves every weight and moment as it was. Clipping scaled every gradient by the same factor,
-            # so one tensor tells. Several in a row means the weights themselves went bad: stop there.
+            # leaves every weight and moment as it was. Every tensor is looked at (one host sync): an
+            # infinite norm scales the finite gradients to 0 and only the infinite ones to NaN. Several in
+            # a row means the weights themselves went bad: stop there.
             grads = [p.grad for p in kwargs["model"].parameters() if p.grad is not None]
-            if grads and not bool(torch.isfinite(grads[0]).all()):
+            if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
                 for param in kwargs["model"].parameters():
                     param.grad = None
                 self.skipped.append(state.global_step + 1)

@@ -176,14 +176,20 @@ def load_level_threads(url: str, clients: int, per_client: int, pool: list[str],
 
     def run(first: int) -> None:
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        with httpx.Client(base_url=url, timeout=120, limits=limits) as http:
-            for i in range(per_client + 1):
-                if i == 1:
-                    gate.wait()
-                sent = time.perf_counter()
-                checked(http.post("/retrieve", json=payload(pool[(first + i) % len(pool)])))
-                if i:
-                    latencies.append(time.perf_counter() - sent)  # list.append is atomic
+        try:
+            with httpx.Client(base_url=url, timeout=120, limits=limits) as http:
+                for i in range(per_client + 1):
+                    if i == 1:
+                        gate.wait()
+                    sent = time.perf_counter()
+                    checked(http.post("/retrieve", json=payload(pool[(first + i) % len(pool)])))
+                    if i:
+                        latencies.append(time.perf_counter() - sent)  # list.append is atomic
+        except threading.BrokenBarrierError:
+            return  # another client failed first: its error is the one printed
+        except Exception:
+            gate.abort()  # the others waiting at the gate would wait for this one for ever
+            raise
 
     threads = [threading.Thread(target=run, args=(c * (per_client + 1),)) for c in range(clients)]
     for thread in threads:

@@ -118,20 +118,29 @@ def test_trl_step_with_a_nan_gradient_is_skipped_and_a_run_of_them_stops_the_arm
     clock = learning.step_clock(tmp_path, [100.0])
     state, control = TrainerState(), TrainerControl()
 
-    def step(grad_value: float) -> None:
+    def step(grad_value: float, *, last_value: float | None = None) -> None:
+        """One optimizer step as the Trainer calls the callback: begin, pre-optimizer, end."""
+        clock.on_step_begin(None, state, control)
         for param in model.parameters():
             param.grad = torch.full_like(param, grad_value)
+        if last_value is not None:  # one entry of the last tensor only
+            param.grad.view(-1)[-1] = last_value
         clock.on_pre_optimizer_step(None, state, control, model=model)
         state.global_step += 1
+        clock.on_step_end(None, state, control, model=model)
 
     step(0.5)
     assert all(p.grad is not None for p in model.parameters()) and clock.skipped == []
     step(float("nan"))
     assert all(p.grad is None for p in model.parameters())  # AdamW leaves these weights alone
     assert clock.skipped == [2] and not control.should_training_stop
+    # clipping by an infinite norm: the first tensor's gradients read 0, the last tensor's one NaN
+    step(0.0, last_value=float("nan"))
+    assert clock.skipped == [2, 3]
     step(0.5)
     for _ in range(learning.MAX_SKIPPED_IN_A_ROW):
         step(float("nan"))
+    # and the step's end, with marks still to come, leaves it stopped
     assert control.should_training_stop and clock.diverged_at == state.global_step
 
 
