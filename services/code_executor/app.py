@@ -188,8 +188,9 @@ def create_app(settings: CodeExecutorSettings | None = None, executor: Executor 
             "languages": sorted(executor.languages),
             "workers": pool.size,
             "bwrap": executor.sandbox.bwrap,
-            "isolation": "bubblewrap: user, pid, mount, net, ipc, uts, cgroup namespaces; rlimits per "
-            "process; memory and CPU time per run (summed from /proc)",
+            "isolation": "bubblewrap: user, pid, mount, net, ipc, uts, cgroup namespaces; seccomp (no SysV "
+            "shm, no memfd, native ABI only); rlimits per process; memory and CPU time per run (summed "
+            "from /proc)",
             "uids": (
                 "one per worker (the service is root)"
                 if pool.uids[0] is not None

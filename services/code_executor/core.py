@@ -1,8 +1,9 @@
 """The code-executor's logic between the wire and the sandbox: requests -> jobs -> runs -> responses.
 
 `Executor` is built once at startup (`build_executor`, which also proves that the sandbox works
-here, or raises SandboxUnavailable saying why: there is no unsandboxed fallback). Limits a request
-may not exceed are checked here, as `LimitError`s naming the field, which the routes turn into 422s.
+here, its seccomp filter included, or raises SandboxUnavailable saying why: there is no unsandboxed
+fallback). Limits a request may not exceed are checked here, as `LimitError`s naming the field, which
+the routes turn into 422s.
 """
 
 from __future__ import annotations
@@ -37,10 +38,20 @@ from services.code_executor.schemas import (
     RunCodeResponse,
     RunStatus,
 )
+from services.code_executor.seccomp import syscall_filter
 
 MIB = 1024 * 1024
-# long enough for the usage guard to sample it: the probe proves that /proc of a run is readable here
-PROBE_CODE = b"import os, time\nprint(os.getuid(), os.getpid())\ntime.sleep(0.1)\n"
+# long enough for the usage guard to sample it (the probe proves that /proc of a run is readable here),
+# and a memfd_create that the seccomp filter must refuse (it proves that the filter is in force)
+PROBE_CODE = b"""import os, time
+try:
+    os.memfd_create("probe")
+    print("memfd_create allowed")
+except PermissionError:
+    print("memfd_create refused")
+time.sleep(0.1)
+"""
+PROBE_REFUSED = b"memfd_create refused\n"
 
 
 class LimitError(ValueError):
@@ -204,6 +215,12 @@ async def probe(executor: Executor) -> None:
         if outcome.error is not None or outcome.return_code != 0:
             why = outcome.error or outcome.stderr.decode(errors="replace").strip()
             raise SandboxUnavailable(explain(why))
+        if outcome.stdout != PROBE_REFUSED:
+            raise SandboxUnavailable(
+                f"the sandbox's seccomp filter is not in force: the probe printed {outcome.stdout[:200]!r} "
+                f"where memfd_create should have been refused ({executor.sandbox.bwrap} must take "
+                "--seccomp), so runs could hold memory past their limit"
+            )
         if outcome.usage.peak_memory_bytes == 0:
             raise SandboxUnavailable(
                 "the usage guard saw no memory in use by the probe's processes: /proc does not show this "
@@ -213,7 +230,12 @@ async def probe(executor: Executor) -> None:
 
 def explain(why: str) -> str:
     hint = ""
-    if any(s in why for s in ("namespace", "uid map", "Operation not permitted", "Permission denied")):
+    if "seccomp" in why.lower():
+        hint = (
+            " (every run gets a seccomp filter: the kernel needs CONFIG_SECCOMP_FILTER, and a container's "
+            "own seccomp profile must let bubblewrap install one)"
+        )
+    elif any(s in why for s in ("namespace", "uid map", "Operation not permitted", "Permission denied")):
         hint = (
             " (user namespaces must be allowed: sysctl kernel.unprivileged_userns_clone=1 and "
             "user.max_user_namespaces>0; in Docker run the container with --security-opt seccomp=unconfined "
@@ -245,6 +267,7 @@ def build_executor(
         prlimit=shutil.which("prlimit") or "/usr/bin/prlimit",
         setpriv=shutil.which("setpriv") or "/usr/bin/setpriv",
         system=system_binds([interpreter_prefix(interpreter)]),
+        syscall_filter=syscall_filter(os.uname().machine),
     )
     for tool in (sandbox.prlimit, sandbox.setpriv):
         if not os.path.exists(tool):

@@ -10,6 +10,9 @@ Isolation comes from the kernel, through bubblewrap, never from Python-level che
   run wrote outlives its mount namespace;
 - a clean environment: bubblewrap itself starts with an empty one and `--clearenv`, so neither the
   program nor /proc/1/environ shows the service's variables or secrets;
+- a seccomp filter (seccomp.py, bubblewrap's `--seccomp`) that refuses the memory no process maps,
+  which the run-wide memory limit below could not see: SysV shared memory and memfd files; and kills
+  any system call of a foreign ABI (32-bit, x32);
 - rlimits set by `prlimit` before bubblewrap starts, inherited by everything inside: address space,
   CPU seconds, processes, file size, open files, no core dumps. These hold per process; the memory
   and CPU-time limits hold for the whole run through a guard that sums every process of the run from
@@ -131,9 +134,10 @@ class Sandbox:
     prlimit: str
     setpriv: str
     system: tuple[str, ...]
+    syscall_filter: bytes  # the compiled seccomp program (seccomp.syscall_filter)
 
     def command(
-        self, job: Job, code_fd: int, file_fds: Sequence[tuple[int, str]], status_fd: int
+        self, job: Job, code_fd: int, file_fds: Sequence[tuple[int, str]], status_fd: int, seccomp_fd: int
     ) -> list[str]:
         limits = job.limits
         rlimits = [
@@ -187,6 +191,8 @@ class Sandbox:
             str(SANDBOX_UID),
             "--json-status-fd",
             str(status_fd),
+            "--seccomp",
+            str(seccomp_fd),
             "--",
             *program,
         ]
@@ -281,13 +287,14 @@ async def run_job(sandbox: Sandbox, job: Job, uid: int | None) -> Outcome:
     """Run one job to its end (finished, killed at a limit, or refused by the sandbox)."""
     code_fd = memfd("source", job.code)
     file_fds = [(memfd("file", content), rel) for rel, content in job.files.items()]
+    seccomp_fd = memfd("seccomp", sandbox.syscall_filter)
     status_read, status_write = os.pipe()
-    fds = [code_fd, *(fd for fd, _ in file_fds), status_write]
+    fds = [code_fd, *(fd for fd, _ in file_fds), seccomp_fd, status_write]
     start = time.perf_counter()
     try:
         process = await asyncio.create_subprocess_exec(
             *as_user(uid, sandbox.setpriv),
-            *sandbox.command(job, code_fd, file_fds, status_write),
+            *sandbox.command(job, code_fd, file_fds, status_write, seccomp_fd),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -16,27 +16,42 @@ bound to the legacy v1 hierarchy). So the service measures each run itself, from
   resident set is an upper bound read cheaply at every sample (a page shared after fork counts in
   every process), and only when that bound is over the limit is the exact figure read
   (Pss_Anon + Pss_Shmem of /proc/PID/smaps_rollup, which divides a shared page among its sharers);
+- the exact read walks every resident page, so it costs time in proportion to the memory the run's
+  processes map together (a 700 MB buffer shared by 41 processes: about a second). Each sample is
+  taken in a thread of the guard's own, never on the event loop, which goes on serving requests and
+  every run's deadline; and after an exact read that took t, the next one waits `EXACT_BACKOFF` * t
+  (`Meter`). In between, the last exact figure plus what the cheap bound grew since stands in, and
+  where that passes the limit an exact read is made at once: a breach is always an exact figure. So
+  the exact reads take at most 1 / (1 + EXACT_BACKOFF) of the guard's time while the bound holds
+  still; while it grows (a run forking), they are made as often as before, in the guard's thread.
+  What the stand-in misses is memory made while as much shared memory is let go (a child that drops
+  its copy-on-write share and allocates as much), caught by the next exact read;
 - CPU time is user + system time of the live processes plus what their reaped children used
   (/proc/PID/stat's utime, stime, cutime, cstime); a child reaped by no one (its parent ignores
   SIGCHLD) drops out of the sum, a gap the per-process RLIMIT_CPU still covers.
 
 Past a limit, the guard stops the run through its `Stopper` (which kills the whole PID namespace). A
-run can thus overshoot for up to one sample before it is stopped; the per-process rlimits set by
-`prlimit` (RLIMIT_AS, RLIMIT_CPU) stay as the first line, so no single process goes past the limit
-even within a sample. The scratch tmpfs mounts are capped by their own size, not by this sum.
+run can thus overshoot for up to one sample before it is stopped (up to a back-off, where the exact
+reads are slow); the per-process rlimits set by `prlimit` (RLIMIT_AS, RLIMIT_CPU) stay as the first
+line, so no single process goes past the limit even within a sample. The scratch tmpfs mounts are
+capped by their own size, not by this sum; memory that no process maps (SysV shared memory, memfd
+files) is refused by the sandbox's seccomp filter (seccomp.py), since no sum of processes could see it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.03
+EXACT_BACKOFF = 4.0  # after an exact read that took t, the next waits EXACT_BACKOFF * t
 GONE = (FileNotFoundError, ProcessLookupError)  # a process that exited between two reads
 
 
@@ -112,14 +127,34 @@ def proportional_memory(pids: Iterable[int]) -> int:
     return total_kb * 1024
 
 
-def measure(init_pid: int, memory_limit: int) -> tuple[int, float]:
-    """(memory, CPU seconds) of the run under `init_pid`; the memory exact only where the cheap bound
-    is over `memory_limit` (below it, the bound is reported: it is what the limit was checked on)."""
-    pids = run_processes(init_pid)
-    bound, cpu_s = sample(pids)
-    if bound <= memory_limit:
-        return bound, cpu_s
-    return proportional_memory(pids), cpu_s
+class Meter:
+    """Measures one run, sample after sample, and remembers what it knew at its last exact read, so
+    that a slow exact read is not repeated at once (see the module docstring)."""
+
+    def __init__(self, memory_limit: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.memory_limit = memory_limit
+        self.clock = clock
+        self.known_bytes = 0  # an upper bound of the run's memory when `known_bound` was read
+        self.known_bound = 0
+        self.next_exact = 0.0  # before this `clock()` time, an exact read is made only when needed
+
+    def measure(self, init_pid: int) -> tuple[int, float]:
+        """(memory, CPU seconds) of the run under `init_pid`. The memory is what the limit is checked
+        on: the cheap bound where it is under the limit, else the exact figure, or the stand-in for it
+        while the exact reads are backed off and the stand-in is under the limit."""
+        pids = run_processes(init_pid)
+        bound, cpu_s = sample(pids)
+        if bound <= self.memory_limit:
+            self.known_bytes = self.known_bound = bound
+            return bound, cpu_s
+        stand_in = self.known_bytes + max(0, bound - self.known_bound)
+        if self.clock() < self.next_exact and stand_in <= self.memory_limit:
+            return stand_in, cpu_s
+        started = self.clock()
+        self.known_bytes, self.known_bound = proportional_memory(pids), bound
+        ended = self.clock()
+        self.next_exact = ended + EXACT_BACKOFF * (ended - started)
+        return self.known_bytes, cpu_s
 
 
 async def guard(
@@ -132,21 +167,31 @@ async def guard(
 ) -> None:
     """Sample the run until it is cancelled (its end) or over a limit: then record which in
     `usage.breach`, call `stop` and return. `init_pid` returns None until the sandbox is up. The
-    first sample comes one interval in: most runs are over by then, and cost nothing to guard."""
-    while True:
-        await asyncio.sleep(interval_s)
-        pid = init_pid()
-        if pid is None:
-            continue
-        try:
-            memory, cpu_s = measure(pid, memory_limit)
-        except Exception:
-            stop()  # a run that cannot be measured does not run on unguarded
-            raise
-        usage.samples += 1
-        usage.peak_memory_bytes = max(usage.peak_memory_bytes, memory)
-        usage.cpu_s = max(usage.cpu_s, cpu_s)
-        if memory > memory_limit or cpu_s > cpu_limit_s:
-            usage.breach = Breach.memory if memory > memory_limit else Breach.cpu
-            stop()
-            return
+    first sample comes one interval in: most runs are over by then, and cost nothing to guard.
+
+    Each sample is read in this guard's own thread (made at its first sample): a slow one holds up
+    neither the event loop nor another run's guard. A sample still being read when the guard is
+    cancelled finishes in that thread, unheard."""
+    loop = asyncio.get_running_loop()
+    meter = Meter(memory_limit)
+    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="usage-guard")
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            pid = init_pid()
+            if pid is None:
+                continue
+            try:
+                memory, cpu_s = await loop.run_in_executor(thread, meter.measure, pid)
+            except Exception:
+                stop()  # a run that cannot be measured does not run on unguarded
+                raise
+            usage.samples += 1
+            usage.peak_memory_bytes = max(usage.peak_memory_bytes, memory)
+            usage.cpu_s = max(usage.cpu_s, cpu_s)
+            if memory > memory_limit or cpu_s > cpu_limit_s:
+                usage.breach = Breach.memory if memory > memory_limit else Breach.cpu
+                stop()
+                return
+    finally:
+        thread.shutdown(wait=False)  # never wait on the loop for a sample nobody needs now

