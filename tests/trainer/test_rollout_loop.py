@@ -85,15 +85,20 @@ def test_a_run_whose_rewards_cannot_be_computed_stops_in_one_line(tiny_model, se
     assert "Traceback" not in done.stderr.splitlines()[-1]
 
 
+def unscorable_test_split(data: Path, workdir: Path) -> Path:
+    """The test split with a data_source no scorer knows: every validation reward is an error."""
+    rows = pd.read_parquet(data / "parquet/test.parquet")
+    rows["data_source"] = "no-such-benchmark"
+    (workdir / "data" / "parquet").mkdir(parents=True)
+    rows.to_parquet(workdir / "data" / "parquet/test.parquet")
+    return workdir / "data" / "parquet/test.parquet"
+
+
 def test_a_validation_whose_rewards_cannot_be_computed_stops_in_one_line(tiny_model, seven_data, tmp_path):  # noqa: F811
     """trainer.val_only over a validation split no scorer knows: its accuracy of 0 would read as
     measured, so validation stops as a training round does, naming the share and the first error."""
-    rows = pd.read_parquet(seven_data / "parquet/test.parquet")
-    rows["data_source"] = "no-such-benchmark"
-    (tmp_path / "data" / "parquet").mkdir(parents=True)
-    rows.to_parquet(tmp_path / "data" / "parquet/test.parquet")
     args = local_args(tiny_model, seven_data, tmp_path) + [
-        f"data.val_files={tmp_path / 'data' / 'parquet/test.parquet'}",
+        f"data.val_files={unscorable_test_split(seven_data, tmp_path)}",
         "trainer.val_only=true",
     ]
     done = train(args, check=False)
@@ -106,12 +111,8 @@ def test_a_validation_without_rewards_mid_run_keeps_the_steps_before_it(tiny_mod
     """Step 2's validation gets only reward errors (as a scorer's outage gives them: per item): the run
     stops as it does when a service stays down, keeping steps 1 and 2, their rows and step 2 saved, though
     save_freq is past the run. Unkept, a resumed run would train them again."""
-    rows = pd.read_parquet(seven_data / "parquet/test.parquet")
-    rows["data_source"] = "no-such-benchmark"
-    (tmp_path / "data" / "parquet").mkdir(parents=True)
-    rows.to_parquet(tmp_path / "data" / "parquet/test.parquet")
     args = local_args(tiny_model, seven_data, tmp_path) + [
-        f"data.val_files={tmp_path / 'data' / 'parquet/test.parquet'}",
+        f"data.val_files={unscorable_test_split(seven_data, tmp_path)}",
         "trainer.test_freq=2",
         "trainer.save_freq=100",
     ]
