@@ -68,3 +68,39 @@ def test_qwen3_grpo_quickstart_runs_as_written(verl_home, monkeypatch):
     assert all(m["training/epoch"] == 0 for m in trained)
     assert all(m["perf/cpu_memory_used_gb"] > 0 and "timing_s/update_actor" in m for m in trained)
     assert any("timing_s/testing" in m for m in steps)  # validation before training and at the end
+
+
+def test_the_readme_offline_trainer_command_trains(tmp_path):
+    """The README's offline GRPO command (export, then the trainer on the demo's SmolLM2 GGUF), run as
+    written with one step instead of two (~1.5 min on 2 cores) and its run folder in a temp dir;
+    tests/unit/test_readme.py dry-runs every trainer command of the README, this one trains."""
+    from tests.unit.test_readme import readme_commands
+
+    commands = [command for command, _ in readme_commands()]
+    export = next(c for c in commands if "export synthetic-arith" in c)
+    trainer = next(c for c in commands if "trainer.main_ppo" in c and "~/data/arith" in c)
+    assert "trainer.total_training_steps=2" in trainer
+    run_dir = tmp_path / "run"
+    trainer = trainer.replace("trainer.total_training_steps=2", "trainer.total_training_steps=1")
+    trainer += f" trainer.log_dir={run_dir}"
+    env = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_URL"}
+    env.update(HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    for command in (export, trainer):
+        shell = command.replace("python -m", f"{sys.executable} -m").replace(
+            "python -c", f"{sys.executable} -c"
+        )
+        done = subprocess.run(
+            ["bash", "-c", shell],
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in steps if "actor/pg_loss" in m]
+    assert [m["training/global_step"] for m in trained] == [1]
+    assert trained[0]["response_length/mean"] > 0
+    assert "critic/score/mean" in trained[0]  # the rewards were scored
