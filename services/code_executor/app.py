@@ -42,11 +42,16 @@ class CodeExecutorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CODE_EXECUTOR_", extra="forbid")
 
     port: int = Field(8003, ge=0, le=65535, description="TCP port to bind.")
+    # Twice the CPUs: a short run spends a third of its life outside its program (the sandbox's setup
+    # and teardown, the server's turn), and with one run per CPU those moments leave the CPUs idle
+    # (2 cores: 0.52 of bare subprocess's runs/s with 2 workers, 0.58 with 4; BENCHMARKS.md). CPU-time
+    # limits are per run and do not change; a run that is CPU-bound for most of its run_timeout may
+    # see its wall clock stretch under a full load: set workers to the CPU count for such programs.
     workers: int = Field(
-        default_factory=lambda: os.cpu_count() or 1,
+        default_factory=lambda: 2 * (os.cpu_count() or 1),
         ge=1,
         le=1024,
-        description="Runs at once (default: CPUs).",
+        description="Runs at once (default: twice the CPUs).",
     )
     max_queued: int = Field(
         4096, ge=0, description="Runs that may wait for a worker; a request that would queue more gets 503."

@@ -208,8 +208,9 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(app: FastAPI, settings: ServiceSettings) -> None:
-    """Run under uvicorn; SIGTERM drains in-flight requests (graceful_shutdown_s) before exiting."""
+def serve(app: FastAPI, settings: ServiceSettings, loop: str = "auto") -> None:
+    """Run under uvicorn; SIGTERM drains in-flight requests (graceful_shutdown_s) before exiting.
+    `loop` is uvicorn's: "auto" takes uvloop where installed, "asyncio" the standard library's."""
     configure_logging(settings.log_level, settings.log_format)
     config = uvicorn.Config(
         app,
@@ -220,6 +221,7 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
         timeout_keep_alive=settings.keep_alive_s,
         lifespan="on",
+        loop=loop,
     )
     server = DrainingServer(config)
     app.state.server = server
