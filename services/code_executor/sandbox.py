@@ -66,7 +66,7 @@ TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
 CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
 READ_CHUNK = 65536
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-REAP_POLLS, REAP_POLL_S = 400, 0.005  # up to 2 s for a killed init to be reaped
+REAP_WAIT_S = 2.0  # how long a run's slot waits for its killed init to be reaped
 STOP_GRACE_S = 2.0  # how long bubblewrap gets to reap its killed init before its group is killed
 OUTPUT_LIMIT_NOTE = "\n[the output limit of {limit} bytes was exceeded; the run was stopped]\n"
 MEMORY_LIMIT_NOTE = (
@@ -380,20 +380,28 @@ class Stopper:
     async def reap_init(self) -> None:
         """bubblewrap exits once its init has reported the exit code, without reaping it: the init is
         orphaned to this service (a child subreaper, see `become_subreaper`) and reaped here, or it
-        would stay a zombie."""
+        would stay a zombie. The run's slot waits for that (up to REAP_WAIT_S), so the run's processes
+        are gone before its uid runs the next one; an init that takes longer is reaped whenever it ends
+        (a zombie left behind would count against that uid's process limit for good)."""
         if self.pidfd is None:
             return
-        try:
-            for _ in range(REAP_POLLS):
-                try:
-                    if os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG) is not None:
-                        return
-                except ChildProcessError:
-                    return  # not our child (no subreaper here): the host's init reaps it
-                await asyncio.sleep(REAP_POLL_S)
-        finally:
-            os.close(self.pidfd)
-            self.pidfd = None
+        pidfd, self.pidfd = self.pidfd, None
+        if reaped(pidfd):
+            os.close(pidfd)
+            return
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def on_exit() -> None:  # a pidfd reads as ready once its process has exited
+            if reaped(pidfd):
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+                if not ended.done():
+                    ended.set_result(None)
+
+        loop.add_reader(pidfd, on_exit)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(ended), REAP_WAIT_S)
 
     async def finish(self) -> None:
         """Make sure the run is over and bubblewrap reaped; the process group is the backstop."""
@@ -458,6 +466,15 @@ def become_subreaper() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise SandboxUnavailable(f"prctl(PR_SET_CHILD_SUBREAPER) failed: errno {ctypes.get_errno()}")
+
+
+def reaped(pidfd: int) -> bool:
+    """Reap the process if it has exited; True once there is nothing left to reap (ours or not: with
+    no subreaper here, the host's init reaps it)."""
+    try:
+        return os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG) is not None
+    except ChildProcessError:
+        return True
 
 
 def kill_group(pgid: int) -> None:

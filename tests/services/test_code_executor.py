@@ -384,6 +384,30 @@ def test_good_requests_succeed_beside_hostile_ones(hostile_outcomes):
         assert status == 200 and json.loads(text)["run_result"]["stdout"] == "45\n", text
 
 
+def test_an_init_still_dying_when_its_slot_stops_waiting_is_reaped_when_it_ends(monkeypatch):
+    """A run's init still alive when its slot stops waiting for it (a process of the run stuck in the
+    kernel) is reaped once it ends: left a zombie under the subreaper, it would count against its slot
+    uid's process limit for good, and after 64 such runs every run of that slot would fail to fork."""
+    from services.code_executor import sandbox
+
+    monkeypatch.setattr(sandbox, "REAP_WAIT_S", 0.05)
+    child = subprocess.Popen(["sleep", "0.6"])  # this process's child, as an orphaned init is the service's
+    stopper = sandbox.Stopper(process=None)
+    stopper.pidfd = os.pidfd_open(child.pid)
+
+    async def scenario() -> float:
+        start = time.monotonic()
+        await stopper.reap_init()
+        waited = time.monotonic() - start
+        await asyncio.sleep(1.2)  # the loop runs on, as the service's does
+        return waited
+
+    waited = asyncio.run(scenario())
+    assert waited < 0.4  # the slot was let go before the process ended
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)  # already reaped, not a zombie
+
+
 def test_the_process_check_sees_a_run_while_it_runs(service):
     # the negative control of leave_nothing_behind: the sandbox's processes are the server's descendants
     url, proc = service
