@@ -9,7 +9,6 @@ about the request itself (naming the field), and a 503 about this server being f
 from __future__ import annotations
 
 import logging
-import os
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -28,7 +27,7 @@ from services.code_executor.schemas import (
 )
 from services.common.app import create_service_app, require_ready, unless_disconnected
 from services.common.errors import ApiError
-from services.common.settings import ServiceSettings
+from services.common.settings import ServiceSettings, usable_cpus
 
 log = logging.getLogger("services.code_executor")
 
@@ -48,10 +47,10 @@ class CodeExecutorSettings(ServiceSettings):
     # limits are per run and do not change; a run that is CPU-bound for most of its run_timeout may
     # see its wall clock stretch under a full load: set workers to the CPU count for such programs.
     workers: int = Field(
-        default_factory=lambda: 2 * (os.cpu_count() or 1),
+        default_factory=lambda: 2 * usable_cpus(),
         ge=1,
         le=1024,
-        description="Runs at once (default: twice the CPUs).",
+        description="Runs at once (default: twice the CPUs this process may use, cgroup quota included).",
     )
     max_queued: int = Field(
         4096, ge=0, description="Runs that may wait for a worker; a request that would queue more gets 503."

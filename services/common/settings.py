@@ -8,15 +8,44 @@ into a `--flag` so the CLI can never drift from the typed model.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import types
 import typing
 from typing import Any, Literal, TypeVar
 
+from pathlib import Path
+
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 S = TypeVar("S", bound="ServiceSettings")
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may run on: its affinity mask, capped by its cgroup's CPU quota (a
+    container's `--cpus`, a Kubernetes CPU limit), neither of which os.cpu_count() sees: on a 64-core
+    node a service limited to 2 CPUs would size its pools for 64."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = cpu_quota(cgroup)
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def cpu_quota(cgroup: Path) -> float | None:
+    """CPUs' worth of time the cgroup may use per period (cgroup v2 `cpu.max`, or v1's CFS quota);
+    None where there is no limit or no such file."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 class ServiceSettings(BaseSettings):

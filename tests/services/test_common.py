@@ -1,5 +1,6 @@
 """services.common: health gating, auth, body limits, JSON errors, metrics, settings, client policy."""
 
+import os
 import random
 import threading
 import time
@@ -203,3 +204,25 @@ def test_a_service_restarted_after_an_outage_is_waited_out_and_each_retry_is_log
     assert len(attempts) > 5 and attempts[-1] > 4 and all(r.delay_s <= 2.0 for r in retries)
     line = retries[-1].getMessage()
     assert f"retrying {url}/v1/datasets in " in line and f"(attempt {attempts[-1]} failed: " in line
+
+
+def test_usable_cpus_follows_the_cgroup_quota_that_cpu_count_does_not_see(tmp_path):
+    from services.common.settings import usable_cpus
+
+    mask = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == mask  # no cgroup files: the affinity mask
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(v2) == mask
+    (v2 / "cpu.max").write_text("50000 100000\n")  # half a CPU: still one
+    assert usable_cpus(v2) == 1
+    (v2 / "cpu.max").write_text(f"{(mask + 8) * 100000} 100000\n")  # a quota above the mask: the mask
+    assert usable_cpus(v2) == mask
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cpus(v1) == mask
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert usable_cpus(v1) == 1
