@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.code_executor.app import CodeExecutorSettings  # noqa: E402
+from services.common.settings import usable_cpus  # noqa: E402
 from tests.helpers import service_process  # noqa: E402
 
 PROGRAM = "total = sum(i * i for i in range({n}))\nprint(total)\n"
@@ -113,7 +113,7 @@ def main() -> None:
         python = httpx.get(url + "/v1/languages").json()["languages"][0]["command"][0]
         bare, served, p50s, p99s = [], [], [], []
         for _ in range(args.repeats):
-            threads = sorted({os.cpu_count() or 1, workers})
+            threads = sorted({usable_cpus(), workers})
             bare.append(max(bare_runs_per_s(python, codes, count) for count in threads))
             served.append(service_runs_per_s(url, codes))
         for _ in range(args.repeats):
@@ -122,7 +122,7 @@ def main() -> None:
             p99s.append(p99 * 1e3)
     ratios = [s / b for s, b in zip(served, bare)]
     print(
-        f"interpreter: {python}; {args.runs} programs, {workers} workers on {os.cpu_count()} CPUs, "
+        f"interpreter: {python}; {args.runs} programs, {workers} workers on {usable_cpus()} CPUs, "
         f"{args.repeats} repeats; the floor: bare with {' or '.join(map(str, threads))} threads, the faster"
     )
     print(f"bare subprocess runs/s: {spread(bare)}")

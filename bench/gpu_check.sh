@@ -1,31 +1,29 @@
 #!/usr/bin/env bash
-# Re-measure the headline GPU figures on a 4-GPU machine and hold them against bench/headline.json
-# (bench/drift.py flags every figure that moved more than 10%). Run it after every change to the step's
-# hot path. Each case runs with the host to itself, one after another.
-#
-# The whole check takes ~15 minutes of GPUs and a device call at most 10, so it is two calls on one warm
-# machine (chain them: it is handed back after 30 s idle). Each carries what its part needs (64 MiB a call
-# will not hold both): scaling the trainer's wheels with Ray (carry [".gpu"], bash bench/gpu_prepare.sh),
-# step TRL and datasets (carry ["runs/carry/deps"], bash bench/carry_model.sh pack):
-#   call 1:  bash bench/gpu_check.sh scaling     bench/scaling.py --gpus 1,2,4 --steps 4       (~8.5 min)
-#   call 2:  bash bench/gpu_check.sh step        bench/step_vs_trl.py (ours, then TRL) on GPU 0 and
-#                                                bench/rollout.py --tune --batches 256 after it  (~6 min)
+# Re-measure the headline GPU figures and hold them against bench/headline.json (bench/drift.py flags
+# every figure that moved more than 10%). Run it after every change to the step's hot path. Each case runs
+# with the host to itself, one after another. Two parts, a device call each (64 MiB a call will not carry
+# what both need):
+#   scaling  on a 4-GPU machine, carry [".gpu"] (bash bench/gpu_prepare.sh):
+#            bench/scaling.py --gpus 1,2,4 --steps 4                                         (~8 min)
+#   step     on a one-GPU machine (the README's figures), carry ["runs/carry/deps"] (bash bench/carry_model.sh
+#            pack): bench/step_vs_trl.py (ours, then TRL) and bench/rollout.py --tune --batches 256 (~4 min)
 # Each call prints drift.py's table for what it measured and leaves its results in $OUT (scaling/,
-# step_vs_trl/summary.json, rollout.json) for BENCHMARKS.md. The protocol asks for two runs of each:
-# repeat the pair, and quote the median and the range.
+# step_vs_trl/summary.json, rollout.json) for BENCHMARKS.md. The protocol asks for at least two runs of
+# each: repeat the call, and quote the median and the range.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: gpu_check.sh scaling|step}
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 case $part in
-  scaling) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=/tmp/site/ray ;;
-  step) wheels=runs/carry/deps/wheels gsm8k=runs/carry/deps/gsm8k marker=/tmp/site/trl ;;
+  scaling) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
+  step) wheels=runs/carry/deps/wheels gsm8k=runs/carry/deps/gsm8k marker=trl ;;
   *) echo "unknown part $part (scaling or step)" >&2; exit 2 ;;
 esac
 [ -d "$wheels" ] || { echo "$wheels is missing: carry it (see the header)" >&2; exit 2; }
-[ -d $marker ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+site=/tmp/site-$part  # one folder a part: pip --target skips what a folder already holds
+[ -d "$site/$marker" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl || exit 1
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-gpu-check  # shared by the cases: compiling once is enough
 nvidia-smi --query-gpu=index,name --format=csv,noheader
 git log -1 --format='commit %h %s' 2>/dev/null || true

@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     except SandboxUnavailable as exc:
         sys.exit(f"error: {exc}")
     # The standard library's loop, not uvloop: its subprocesses start with vfork (subprocess.Popen),
-    # where uvloop forks the whole server, page tables and all, for every run. Measured: 62 runs/s
-    # and 2.9 ms of the server's CPU a run, against 38-56 runs/s and 5-9 ms (BENCHMARKS.md).
+    # where uvloop forks the whole server, page tables and all, for every run: 2.9 ms of the server's
+    # CPU a run against 4.8-8.7 ms, and 0.52 of bare subprocess's runs/s against 0.41 (BENCHMARKS.md).
     serve(create_app(settings, executor), settings, loop="asyncio")
 
 

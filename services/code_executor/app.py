@@ -41,16 +41,15 @@ class CodeExecutorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="CODE_EXECUTOR_", extra="forbid")
 
     port: int = Field(8003, ge=0, le=65535, description="TCP port to bind.")
-    # Twice the CPUs: a short run spends a third of its life outside its program (the sandbox's setup
-    # and teardown, the server's turn), and with one run per CPU those moments leave the CPUs idle
-    # (2 cores: 0.52 of bare subprocess's runs/s with 2 workers, 0.58 with 4; BENCHMARKS.md). CPU-time
-    # limits are per run and do not change; a run that is CPU-bound for most of its run_timeout may
-    # see its wall clock stretch under a full load: set workers to the CPU count for such programs.
+    # One run per CPU by default: a run then has a CPU to itself under a full load, so its wall clock
+    # (run_timeout) measures its program, not the load, and a reward does not depend on how busy the
+    # service was. Short programs leave the CPUs idle a little while runs are set up and torn down:
+    # twice the CPUs gave 0.58 of bare subprocess's runs/s against 0.52 (2 cores, BENCHMARKS.md).
     workers: int = Field(
-        default_factory=lambda: 2 * usable_cpus(),
+        default_factory=lambda: min(1024, usable_cpus()),
         ge=1,
         le=1024,
-        description="Runs at once (default: twice the CPUs this process may use, cgroup quota included).",
+        description="Runs at once (default: the CPUs this process may use, a cgroup CPU quota included).",
     )
     max_queued: int = Field(
         4096, ge=0, description="Runs that may wait for a worker; a request that would queue more gets 503."

@@ -399,7 +399,7 @@ class Stopper:
                 if not ended.done():
                     ended.set_result(None)
 
-        loop.add_reader(pidfd, on_exit)
+        loop.add_reader(pidfd, on_exit)  # one still pending when the loop closes goes with the process
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(ended), REAP_WAIT_S)
 

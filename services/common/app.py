@@ -18,7 +18,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -208,7 +208,7 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(app: FastAPI, settings: ServiceSettings, loop: str = "auto") -> None:
+def serve(app: FastAPI, settings: ServiceSettings, loop: Literal["auto", "asyncio"] = "auto") -> None:
     """Run under uvicorn; SIGTERM drains in-flight requests (graceful_shutdown_s) before exiting.
     `loop` is uvicorn's: "auto" takes uvloop where installed, "asyncio" the standard library's."""
     configure_logging(settings.log_level, settings.log_format)

@@ -13,9 +13,8 @@ import os
 import sys
 import types
 import typing
-from typing import Any, Literal, TypeVar
-
 from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict

