@@ -66,7 +66,8 @@ TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
 CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
 READ_CHUNK = 65536
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-REAP_WAIT_S = 2.0  # how long a run's slot waits for its killed init to be reaped
+REAP_WAIT_S, REAP_POLL_S = 2.0, 0.005  # how long, how often a run's slot checks that its init is reaped
+REAP_LATER_S = 0.25  # how often an init still dying after that is checked, off the slot
 STOP_GRACE_S = 2.0  # how long bubblewrap gets to reap its killed init before its group is killed
 OUTPUT_LIMIT_NOTE = "\n[the output limit of {limit} bytes was exceeded; the run was stopped]\n"
 MEMORY_LIMIT_NOTE = (
@@ -386,22 +387,15 @@ class Stopper:
         if self.pidfd is None:
             return
         pidfd, self.pidfd = self.pidfd, None
-        if reaped(pidfd):
-            os.close(pidfd)
-            return
-        loop = asyncio.get_running_loop()
-        ended = loop.create_future()
-
-        def on_exit() -> None:  # a pidfd reads as ready once its process has exited
-            if reaped(pidfd):
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
-                if not ended.done():
-                    ended.set_result(None)
-
-        loop.add_reader(pidfd, on_exit)  # one still pending when the loop closes goes with the process
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(ended), REAP_WAIT_S)
+        deadline = time.monotonic() + REAP_WAIT_S
+        while not reaped(pidfd):
+            if time.monotonic() >= deadline:
+                task = asyncio.get_running_loop().create_task(reap_later(pidfd))
+                LATE_REAPS.add(task)  # held until done: the loop keeps only a weak reference
+                task.add_done_callback(LATE_REAPS.discard)
+                return
+            await asyncio.sleep(REAP_POLL_S)
+        os.close(pidfd)
 
     async def finish(self) -> None:
         """Make sure the run is over and bubblewrap reaped; the process group is the backstop."""
@@ -466,6 +460,17 @@ def become_subreaper() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise SandboxUnavailable(f"prctl(PR_SET_CHILD_SUBREAPER) failed: errno {ctypes.get_errno()}")
+
+
+LATE_REAPS: set[asyncio.Task] = set()
+
+
+async def reap_later(pidfd: int) -> None:
+    try:
+        while not reaped(pidfd):
+            await asyncio.sleep(REAP_LATER_S)
+    finally:
+        os.close(pidfd)
 
 
 def reaped(pidfd: int) -> bool:
