@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> None:
         executor = make_executor(settings)
     except SandboxUnavailable as exc:
         sys.exit(f"error: {exc}")
-    # The standard library's loop, not uvloop: its subprocesses start with vfork (subprocess.Popen),
-    # where uvloop forks the whole server, page tables and all, for every run: 2.9 ms of the server's
-    # CPU a run against 4.8-8.7 ms, and 0.52 of bare subprocess's runs/s against 0.41 (BENCHMARKS.md).
-    serve(create_app(settings, executor), settings, loop="asyncio")
+    # uvloop (uvicorn's default) forks the whole server for every run, where the standard library's loop
+    # would vfork; that loop made runs ~25% faster but hung now and then under the hostile test set
+    # (BENCHMARKS.md, code-executor), so it stays uvloop until that is understood.
+    serve(create_app(settings, executor), settings)
 
 
 if __name__ == "__main__":

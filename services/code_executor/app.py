@@ -44,7 +44,7 @@ class CodeExecutorSettings(ServiceSettings):
     # One run per CPU by default: a run then has a CPU to itself under a full load, so its wall clock
     # (run_timeout) measures its program, not the load, and a reward does not depend on how busy the
     # service was. Short programs leave the CPUs idle a little while runs are set up and torn down:
-    # twice the CPUs gave 0.58 of bare subprocess's runs/s against 0.52 (2 cores, BENCHMARKS.md).
+    # twice the CPUs keeps them busier (BENCHMARKS.md, code-executor).
     workers: int = Field(
         default_factory=lambda: min(1024, usable_cpus()),
         ge=1,

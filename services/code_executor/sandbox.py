@@ -200,8 +200,7 @@ class Sandbox:
 
 
 def as_user(uid: int | None, setpriv: str) -> list[str]:
-    """The prefix that drops a root service to a slot's uid. Not Popen's `user=`: a uid change turns
-    off its vfork, and a fork of the whole server costs more than this small exec."""
+    """The prefix that drops a root service to a slot's uid (uvloop's subprocesses take no `user=`)."""
     if uid is None:
         return []
     return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
