@@ -79,7 +79,7 @@ def test_the_readme_offline_trainer_command_trains(tmp_path):
     """The README's offline GRPO command (export, then the trainer on the demo's SmolLM2 GGUF), run as
     written with one step instead of two (~1.5 min on 2 cores) and its run folder in a temp dir;
     tests/unit/test_readme.py dry-runs every trainer command of the README, this one trains."""
-    from tests.unit.test_readme import readme_commands
+    from tests.unit.test_readme import readme_commands, run_as_written
 
     commands = [command for command, _ in readme_commands()]
     export = next(c for c in commands if "export synthetic-arith" in c)
@@ -91,19 +91,7 @@ def test_the_readme_offline_trainer_command_trains(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REWARD_SERVER_URL"}
     env.update(HOME=str(tmp_path), PYTHONUNBUFFERED="1")
     for command in (export, trainer):
-        shell = command.replace("python -m", f"{sys.executable} -m").replace(
-            "python -c", f"{sys.executable} -c"
-        )
-        done = subprocess.run(
-            ["bash", "-c", shell],
-            cwd=Path(__file__).resolve().parents[2],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        run_as_written(command, env, timeout=900)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in steps if "actor/pg_loss" in m]
     assert [m["training/global_step"] for m in trained] == [1]

@@ -207,10 +207,13 @@ def test_the_offline_trainer_commands_pass_the_config_checks(tmp_path):
         export,
         *(c.replace("trainer.main_ppo", "trainer.main_ppo --dry-run", 1) for c in offline),
     ]:
-        shell = command.replace("python -m", f"{sys.executable} -m").replace(
-            "python -c", f"{sys.executable} -c"
-        )
-        result = subprocess.run(
-            ["bash", "-c", shell], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
-        )
-        assert result.returncode == 0, f"{command}\n{result.stdout[-1000:]}{result.stderr[-2000:]}"
+        run_as_written(command, env, timeout=120)
+
+
+def run_as_written(command: str, env: dict[str, str], timeout: float) -> None:
+    """Run a README command in bash from the repository root, `python` being this venv's interpreter."""
+    shell = command.replace("python -m", f"{sys.executable} -m").replace("python -c", f"{sys.executable} -c")
+    result = subprocess.run(
+        ["bash", "-c", shell], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
