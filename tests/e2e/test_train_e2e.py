@@ -222,6 +222,9 @@ def test_kl_in_reward_with_an_exactly_on_policy_update_runs(tiny_model, seven_da
     profiles = tmp_path / "run" / "profile"
     assert sorted(p.name for p in profiles.iterdir()) == ["step_2.json", "step_2.txt"]
     assert "Self CPU" in (profiles / "step_2.txt").read_text()
+    # the local rank's calls are named phases as a Ray rank's are, so bench/trace_summary.py splits them
+    trace = (profiles / "step_2.json").read_text()
+    assert all(f'"rank.{phase}"' in trace for phase in ("compute_logprobs", "update"))
     steps = [m for m in metrics_of(tmp_path) if "critic/score/mean" in m]
     assert [m["step"] for m in steps] == [1, 2]
     assert all("timing_s/old_log_prob" in m and "timing_s/ref" in m for m in steps)
