@@ -29,10 +29,12 @@ def main(argv: list[str] | None = None) -> None:
         executor = make_executor(settings)
     except SandboxUnavailable as exc:
         sys.exit(f"error: {exc}")
-    # uvloop (uvicorn's default) forks the whole server for every run, where the standard library's loop
-    # would vfork; that loop made runs ~25% faster but hung now and then under the hostile test set
-    # (BENCHMARKS.md, code-executor), so it stays uvloop until that is understood.
-    serve(create_app(settings, executor), settings)
+    # The standard library's loop, not uvloop (uvicorn's "auto"): uvloop forks the whole server for every
+    # run, where this loop vforks, and runs are ~25% faster (BENCHMARKS.md, code-executor). The hangs it
+    # once had under the hostile test set were a stream left unread past its output limit: there a
+    # `process.wait()` begun before the exit also waits for every pipe to end (CPython gh-119710), and
+    # an unread pipe pauses and never ends; `sandbox.read_capped` now reads each stream to its end.
+    serve(create_app(settings, executor), settings, loop="asyncio")
 
 
 if __name__ == "__main__":

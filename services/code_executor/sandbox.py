@@ -441,16 +441,23 @@ async def feed(process: asyncio.subprocess.Process, data: bytes) -> None:
 
 async def read_capped(stream: asyncio.StreamReader, limit: int, stopper: Stopper) -> tuple[bytes, bool]:
     """Up to `limit` bytes of a stream; past it the run is stopped (an endless printer must not fill
-    the server's memory or hold its worker until the deadline)."""
-    chunks, size = [], 0
+    the server's memory or hold its worker until the deadline), and the rest is read and dropped
+    until the stream ends: a stream left unread stops at asyncio's flow control (the StreamReader
+    pauses its pipe past 128 KiB) and never sees its end, and on the standard library's loop (before
+    CPython gh-119710) a `process.wait()` begun before the exit waits for every pipe to end, so the
+    run's `supervise` would wait on it for good. Its writers all die with the stopped run."""
+    chunks, size, over = [], 0, False
     while chunk := await stream.read(READ_CHUNK):
+        if over:
+            continue
         if size + len(chunk) > limit:
             chunks.append(chunk[: limit - size])
+            over = True
             stopper.stop()
-            return b"".join(chunks), True
+            continue
         chunks.append(chunk)
         size += len(chunk)
-    return b"".join(chunks), False
+    return b"".join(chunks), over
 
 
 def become_subreaper() -> None:

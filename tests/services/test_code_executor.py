@@ -225,6 +225,13 @@ HOSTILE = {
         "Finished",
     ),
     "endless output": ("while True:\n    print('x' * 1000)\n", "Finished"),
+    # 1 MiB in one write to a pipe grown to hold it: the service's reader gets it faster than it reads
+    # (uvloop's stdout is a socket, which cannot grow: then it is a plain flood)
+    "output flood in a grown pipe": (
+        "import fcntl, os, time\ntry:\n    fcntl.fcntl(1, fcntl.F_SETPIPE_SZ, 1 << 20)\n"
+        "except OSError:\n    pass\nos.write(1, b'x' * (1 << 20))\ntime.sleep(30)\n",
+        "Finished",
+    ),
     "setsid child": (
         "import subprocess, sys\n"
         "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
@@ -343,7 +350,7 @@ def test_hostile_program_fails_within_its_limits(hostile_outcomes, name):
     assert took < 30 and result["execution_time"] < RUN_TIMEOUT_S + 1.0, (took, result)
     text = (result["stdout"] or "") + (result["stderr"] or "")
     assert SECRET not in text
-    if name == "endless output":
+    if name in ("endless output", "output flood in a grown pipe"):
         assert len(result["stdout"]) == OUTPUT_LIMIT and result["return_code"] == 137
         assert "output limit" in result["stderr"]
     if name == "memory bomb":
@@ -408,6 +415,39 @@ def test_an_init_still_dying_when_its_slot_stops_waiting_is_reaped_when_it_ends(
     assert waited < 0.4  # the slot was let go before the process ended
     with pytest.raises(ChildProcessError):
         os.waitpid(child.pid, os.WNOHANG)  # already reaped, not a zombie
+
+
+def test_a_stream_past_its_output_limit_is_read_to_its_end_so_the_run_ends():
+    """Past the output limit the rest of a stream is read and dropped, not left unread: unread, it
+    pauses at asyncio's flow control and never sees its end, and on the standard library's loop a
+    `process.wait()` begun before the exit waits for every pipe to end (CPython gh-119710), so the run
+    hung for good. A program that grows its pipe to 1 MiB and fills it gets there every time."""
+    from services.code_executor import sandbox
+
+    code = "import fcntl, os, time\nfcntl.fcntl(1, fcntl.F_SETPIPE_SZ, 1 << 20)\n"
+    code += "os.write(1, b'x' * (1 << 20))\ntime.sleep(60)\n"
+    limits = sandbox.Limits(
+        wall_s=5, cpu_s=5, memory_bytes=0, processes=0, file_bytes=0, scratch_bytes=0, output_bytes=1 << 16
+    )
+    job = sandbox.Job(language=None, code=b"", limits=limits)
+
+    async def scenario():
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            code,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # stopped through its process group, as before a sandbox is up
+        )
+        try:
+            return await asyncio.wait_for(sandbox.supervise(process, job, sandbox.Stopper(process)), 15)
+        finally:
+            sandbox.kill_group(process.pid)
+
+    timed_out, stdout, _, over = asyncio.run(scenario())  # the standard loop, as the service runs
+    assert not timed_out and over and stdout == b"x" * (1 << 16)
 
 
 def test_the_process_check_sees_a_run_while_it_runs(service):
