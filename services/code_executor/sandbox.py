@@ -200,7 +200,9 @@ class Sandbox:
 
 
 def as_user(uid: int | None, setpriv: str) -> list[str]:
-    """The prefix that drops a root service to a slot's uid (uvloop's subprocesses take no `user=`)."""
+    """The prefix that drops a root service to a slot's uid. Not Popen's `user=`: a uid change turns
+    off its vfork (the standard loop's reason to be here), and a fork of the whole server costs more
+    than this small exec."""
     if uid is None:
         return []
     return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
