@@ -95,7 +95,7 @@ class Run:
     reward_options: RewardOptions
     total_steps: int
     profile: PolicyProfile  # the policy's shape, for MFU
-    needs_old_logprobs: bool  # trainer/config/derive.py: not exactly on-policy, or a separate engine
+    needs_old_logprobs: bool  # trainer/config/derive.py: not exactly on-policy, or a KL penalty in the reward
     agent: AgentLoop | None = None  # multi_turn.enable: rollouts that call tools while they generate
     tracker: Tracker | None = None
     last_saved_step: int = 0

@@ -158,9 +158,27 @@ def policy_loss_terms(
         "actor/ppo_kl": policy.approx_kl.detach(),
         "actor/entropy": algos.masked_mean(out.entropy.detach(), mask),
     }
+    if micro.old_logprobs is None and micro.rollout_logprobs is not None:
+        terms |= engine_gap_terms(micro.rollout_logprobs, out.logprobs.detach(), mask)
     if loss.use_kl_loss:
         kl = algos.kl_penalty(out.logprobs, micro.ref_logprobs, loss.kl_loss_type)
         kl_loss = algos.aggregate_loss(kl, mask, loss.loss_agg_mode, **denominators)
         total = total + loss.kl_loss_coef * kl_loss
         terms.update({"actor/kl_loss": kl_loss.detach(), "actor/kl_coef": loss.kl_loss_coef})
     return {"total": total, **terms}
+
+
+def engine_gap_terms(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The engine's sampled-token logprobs against the update's own, as per-token means.
+
+    An exactly on-policy step has no old_log_prob pass to compare the engine with, so the update's forward
+    (the same weights, before its one optimizer step) stands in for it. Means add up over micro-batches
+    and ranks; the whole-batch max, std and correlation of `rollout_logprob_gap` do not, so they are
+    logged only by steps that run old_log_prob.
+    """
+    engine, trainer = rollout_logprobs.float(), logprobs.float()
+    return {
+        "training/rollout_probs_diff_valid": 1.0,
+        "training/rollout_probs_diff_mean": algos.masked_mean((engine.exp() - trainer.exp()).abs(), mask),
+        "training/rollout_logprob_diff_mean": algos.masked_mean((engine - trainer).abs(), mask),
+    }
