@@ -26,7 +26,11 @@ Tasks, each in its own folder (--out/TASK; the model folder --out/base is shared
   synthetic-arith  the data-server's generator at `hard` (GSM8K-format word problems: three steps among
                    + - x /, numbers up to 500); --train-size problems to train on and a held-out test
                    split of --test-size (1,024): the generator seeds each problem by split name, and
-                   prepare drops any train problem whose question is also in test
+                   prepare drops any train problem whose question is also in test. --difficulty auto
+                   first probes the base model on every level (128 held-out problems x 8 samples at
+                   temperature 1, TASK/probe.json) and takes the hardest level at which a right sample
+                   is in >= 25% of the groups: where the base never gets one, GRPO has no signal but
+                   the format reward's
 Both tasks' rows carry data_sources that services.scoring.local sends to the GSM8K rule (prepare
 checks), which is the function TRL's reward calls here: one reward rule for every arm and the evaluator.
 
@@ -93,6 +97,8 @@ sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "trainer" / "configs" / "grpo_smollm2_gsm8k.yaml"
 TASKS = ("gsm8k", "synthetic-arith")
 SYNTHETIC_DIFFICULTY = "hard"
+PROBE_PROBLEMS, PROBE_K = 128, 8  # the probe's held-out problems and samples each
+PROBE_MIN_PASS = 0.25  # --difficulty auto: the hardest level whose base pass@8 reaches this
 # Curve points per task: synthetic-arith's aim is judged at a third of the budget, which is its 2nd of 6
 TASK_POINTS = {"gsm8k": 4, "synthetic-arith": 6}
 ARMS = ("ours", "trl", "trl-ours-lr")
@@ -315,6 +321,20 @@ def prepare(
 ) -> None:
     """out/base/ (model + tokenizer, float32, shared by the tasks) and out/TASK/data/{train,test}.parquet
     with prompts that fit."""
+    base = make_base(out, gguf, model, smoke)
+    from services.data_server.export import write_verl_parquet
+
+    tokenizer = load_base_tokenizer(base)
+    for split, rows in task_rows(task, gsm8k, sizes, difficulty).items():
+        fitting = [row for row in rows if prompt_length(tokenizer, row["prompt"]) <= s.max_prompt_length]
+        write_verl_parquet(fitting, out / task / "data" / f"{split}.parquet")
+        print(
+            f"prepare {task}: {split} {len(fitting)} of {len(rows)} prompts fit {s.max_prompt_length} tokens"
+        )
+
+
+def make_base(out: Path, gguf: Path | None, model: Path | None, smoke: bool) -> Path:
+    """out/base: the model every arm starts from (made once, shared by the tasks)."""
     base = out / "base"
     if not (base / "config.json").exists():
         if model is not None:
@@ -325,15 +345,7 @@ def prepare(
             make_tiny_model(base, hidden=32, layers=2, seed=3)
         else:
             convert_gguf(gguf, base)
-    from services.data_server.export import write_verl_parquet
-
-    tokenizer = load_base_tokenizer(base)
-    for split, rows in task_rows(task, gsm8k, sizes, difficulty).items():
-        fitting = [row for row in rows if prompt_length(tokenizer, row["prompt"]) <= s.max_prompt_length]
-        write_verl_parquet(fitting, out / task / "data" / f"{split}.parquet")
-        print(
-            f"prepare {task}: {split} {len(fitting)} of {len(rows)} prompts fit {s.max_prompt_length} tokens"
-        )
+    return base
 
 
 def task_rows(
@@ -465,6 +477,72 @@ def evaluate(
         "eval_s": time.monotonic() - started,
         "samples": [{"response": responses[i], "ground_truth": truths[i]} for i in range(min(3, len(rows)))],
     }
+
+
+def probe_levels(
+    base: Path, levels: list[str], *, problems: int, k: int, max_new_tokens: int, device: str
+) -> dict:
+    """The base model on synthetic-arith's levels before any training: per level, strict accuracy of k
+    samples (temperature 1, as the arms sample) on `problems` held-out problems, the share of problems
+    with at least one right sample (pass@k: the GRPO groups that carry a signal), and greedy accuracy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.scoring.gsm8k import score_gsm8k
+
+    torch.manual_seed(0)
+    tokenizer = load_base_tokenizer(base)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(device).eval()
+    found = {}
+    for level in levels:
+        rows = task_rows("synthetic-arith", Path(), (problems, problems), level)["test"][:problems]
+        texts = [chat_text(tokenizer, row["prompt"]) for row in rows]
+        truths = [row["reward_model"]["ground_truth"] for row in rows]
+        right = {"sampled": [], "greedy": []}
+        for mode, copies in (("sampled", k), ("greedy", 1)):
+            for start in range(0, len(rows), max(1, 256 // copies)):
+                chunk = range(start, min(start + max(1, 256 // copies), len(rows)))
+                encoded = tokenizer(
+                    [texts[i] for i in chunk for _ in range(copies)],
+                    return_tensors="pt",
+                    padding=True,
+                    add_special_tokens=False,
+                ).to(device)
+                sampling = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+                with torch.no_grad():
+                    output = model.generate(
+                        **encoded,
+                        **(sampling if mode == "sampled" else {"do_sample": False}),
+                        max_new_tokens=max_new_tokens,
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
+                texts_out = tokenizer.batch_decode(
+                    output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+                )
+                for j, i in enumerate(chunk):
+                    group = texts_out[j * copies : (j + 1) * copies]
+                    right[mode].append([score_gsm8k(t, truths[i], "strict").correct for t in group])
+        found[level] = {
+            "problems": len(rows),
+            "k": k,
+            "sample_accuracy": sum(map(sum, right["sampled"])) / (len(rows) * k),
+            f"pass_at_{k}": sum(any(group) for group in right["sampled"]) / len(rows),
+            "greedy_accuracy": sum(group[0] for group in right["greedy"]) / len(rows),
+        }
+        print(f"probe {level}: " + ", ".join(f"{key} {value:.3g}" for key, value in found[level].items()))
+    del model
+    return found
+
+
+def choose_level(found: dict, k: int) -> str:
+    """The hardest level at which GRPO has a signal from the start: a right sample in at least
+    PROBE_MIN_PASS of the groups (format_score alone rewards the format, not the arithmetic)."""
+    for level in ("hard", "medium", "easy"):
+        if level in found and found[level][f"pass_at_{k}"] >= PROBE_MIN_PASS:
+            return level
+    return "easy"
 
 
 def run_evaluator(ctx: argparse.Namespace, s: Shared, follow: bool) -> None:
@@ -1018,6 +1096,7 @@ def collect(task_dir: Path) -> dict:
         "run": run,
         "base": evals["base"],
         "evaluator_device": evals.get("device"),
+        "probe": read_json(task_dir / "probe.json"),
         "arms": arms,
         "collected_at": utc_now(),
         "versions": versions(),
@@ -1180,6 +1259,7 @@ def summarize(results: dict) -> dict | None:
         "base": {k: base[k] for k in ("accuracy", "correct", "n", "mean_response_tokens")},
         "run": results["run"],
         "evaluator_device": results["evaluator_device"],
+        "probe": results.get("probe"),
         "versions": results["versions"],
         "arms": {},
     }
@@ -1293,6 +1373,25 @@ def plot(path: Path, all_results: dict[str, dict]) -> None:
 # ------------------------------------------------------------------------------------------ command line
 
 
+def probe_and_choose(ctx: argparse.Namespace, gguf: Path | None, s: Shared) -> str:
+    """--difficulty auto: the base model (made here if need be) probed on each level; the choice and the
+    evidence in TASK/probe.json, which results.json carries."""
+    base = make_base(ctx.out, gguf, ctx.model, ctx.smoke)
+    problems, k = (4, 2) if ctx.smoke else (PROBE_PROBLEMS, PROBE_K)
+    found = probe_levels(
+        base,
+        ["easy", "medium", "hard"],
+        problems=problems,
+        k=k,
+        max_new_tokens=s.max_response_length,
+        device=ctx.device,
+    )
+    chosen = choose_level(found, k)
+    write_json(ctx.dir / "probe.json", {"levels": found, "min_pass": PROBE_MIN_PASS, "chosen": chosen})
+    print(f"probe: synthetic-arith at {chosen} (the hardest level with pass@{k} >= {PROBE_MIN_PASS:g})")
+    return chosen
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1309,9 +1408,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--train-size", type=int, default=16384, help="synthetic-arith train problems.")
     parser.add_argument(
         "--difficulty",
-        choices=["easy", "medium", "hard"],
+        choices=["easy", "medium", "hard", "auto"],
         default=SYNTHETIC_DIFFICULTY,
-        help="synthetic-arith's level (issue 29 asks for hard; the base model scored 0/48 there on the CPU)",
+        help="synthetic-arith's level (issue 29 asks for hard); auto: probe the base model on each level "
+        f"and take the hardest whose pass@8 is >= {PROBE_MIN_PASS:g} (TASK/probe.json)",
     )
     parser.add_argument("--test-size", type=int, default=1024, help="synthetic-arith held-out test problems.")
     parser.add_argument(
@@ -1374,6 +1474,8 @@ def main(argv: list[str] | None = None) -> int:
 
             gguf = smollm2_path()
         sizes = (ctx.train_size, ctx.test_size)
+        if ctx.difficulty == "auto":
+            ctx.difficulty = probe_and_choose(ctx, gguf, s)
         prepare(ctx.out, ctx.task, gguf, ctx.model, ctx.gsm8k, sizes, s, ctx.smoke, ctx.difficulty)
     if ctx.stage == "start":
         start(ctx)

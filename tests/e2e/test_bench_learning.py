@@ -201,6 +201,15 @@ def test_synthetic_aims_time_to_trl_final_accuracy():
     assert aims["ours_final_at_least_base_plus_20_points"] is False
 
 
+def test_auto_difficulty_takes_the_hardest_level_with_a_signal():
+    found = {"easy": {"pass_at_8": 0.9}, "medium": {"pass_at_8": 0.3}, "hard": {"pass_at_8": 0.02}}
+    assert learning.choose_level(found, 8) == "medium"
+    found["hard"]["pass_at_8"] = learning.PROBE_MIN_PASS
+    assert learning.choose_level(found, 8) == "hard"
+    found = {level: {"pass_at_8": 0.0} for level in ("easy", "medium", "hard")}
+    assert learning.choose_level(found, 8) == "easy"
+
+
 def test_synthetic_task_holds_out_its_test_split():
     splits = learning.task_rows("synthetic-arith", Path("unused"), (2048, 512))
     assert len(splits["test"]) == 512 and 0 < len(splits["train"]) <= 2048
@@ -221,7 +230,8 @@ def test_learning_smoke_end_to_end(tmp_path, gsm8k_fixture):
     out, copied = tmp_path / "learning", tmp_path / "OUT"
     bench = [sys.executable, "bench/learning.py"]
     smoke = ["--smoke", "--budget-s", "1.5", "--points", "2", "--out", str(out)]
-    started = run([*bench, "start", "--task", "synthetic-arith", "--gpus", "0,1,2,3", *smoke])
+    auto = ["--difficulty", "auto"]  # the base model probed on each level first
+    started = run([*bench, "start", "--task", "synthetic-arith", "--gpus", "0,1,2,3", *auto, *smoke])
     assert "started synthetic-arith" in started
     run([*bench, "all", "--task", "gsm8k", "--arms", "trl", "--gsm8k", str(gsm8k_fixture), *smoke])
     waited = run([*bench, "wait", "240", "--out", str(out), "--copy-to", str(copied)])
@@ -232,6 +242,9 @@ def test_learning_smoke_end_to_end(tmp_path, gsm8k_fixture):
     arith = json.loads((out / "synthetic-arith" / "summary.json").read_text())
     assert "evaluator alongside on GPU 3" in arith["run"]["plan"]
     assert arith["base"]["n"] == 4
+    # a random tiny model solves nothing: no level has a signal, so the easiest is taken
+    assert set(arith["probe"]["levels"]) == {"easy", "medium", "hard"} and arith["probe"]["chosen"] == "easy"
+    assert all(level["pass_at_2"] == 0 for level in arith["probe"]["levels"].values())
     assert arith["arms"]["trl"]["lr"] == 1e-6 and arith["arms"]["trl-ours-lr"]["lr"] == 1e-5
     for arm in learning.ARMS:
         points = arith["arms"][arm]["points"]
