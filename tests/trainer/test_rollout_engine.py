@@ -308,6 +308,24 @@ def test_release_and_resume_memory(qwen):
         engine.release()
 
 
+def test_release_right_after_the_last_request_stops(qwen):
+    """A stop token read back while the next step is already launched leaves that launch pending with
+    every request done: release waits for it instead of refusing (a 4 x H200 run stopped at its step
+    166 with "cannot release memory while requests are running")."""
+    model, tok = qwen
+    prompt = encode(tok)[0]
+    continuation = sampled_continuation(model, tok, prompt, 20)
+    stop_id = continuation[next(i for i in range(3, 20) if continuation[i] not in continuation[:i])]
+    engine = engine_for(model, tok)
+    sampling = SamplingParams(max_new_tokens=20, stop_token_ids=(stop_id,), seed=123, ignore_eos=True)
+    ((sample,),) = engine.generate([prompt], sampling)
+    assert sample.finish_reason == "stop" and engine.pending and not engine.running
+    engine.release(["kv_cache"])
+    assert not engine.has_work and engine.released == {"kv_cache"}
+    engine.resume(["kv_cache"])
+    assert engine.generate([prompt], sampling)[0][0].token_ids == sample.token_ids
+
+
 def test_abort_finishes_a_request_at_once(qwen):
     model, tok = qwen
     engine = engine_for(model, tok, max_running=2)

@@ -236,8 +236,13 @@ class BuiltinEngine:
         unknown = tags - set(MEMORY_TAGS)
         if unknown:
             raise ValueError(f"unknown memory tags {sorted(unknown)}; known: {list(MEMORY_TAGS)}")
-        if self.has_work:
+        if self.waiting or self.running:
             raise EngineStateError("cannot release memory while requests are running")
+        # Every request may be done while the newest launch is still pending: a step launches before it
+        # reads back the launch whose tokens finish the last sequences. Its output is a wasted token, but
+        # the GPU may still be writing the cache: wait for it before the memory goes.
+        while self.pending:
+            self._process(self.pending.popleft())
         self.runner = self.cache = self.last_token = None
         self._rows, self._inputs = [], None
         if "weights" in tags and "weights" not in self.released:
