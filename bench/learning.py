@@ -901,22 +901,21 @@ def run_arm(ctx: argparse.Namespace, arm: str, s: Shared) -> None:
     try:
         started = time.monotonic()
         lr = arm_lr(arm, s)
-        if arm == "ours":
-            train_ours(ctx, run)
-            divergence = {}
-        else:
-            divergence = train_trl(ctx, run, s, lr)
         result = {
             "arm": arm,
             "lr": lr,
             "budget_s": ctx.budget_s,
             "marks": ctx.points,
             "settings": asdict(s),
-            **divergence,
-            "train_wall_s": time.monotonic() - started,
             "device": device_name(ctx.device),
         }
-        write_json(run / "result.json", result)
+        write_json(run / "result.json", result)  # now, so that an arm that fails is still described
+        if arm == "ours":
+            train_ours(ctx, run)
+            divergence = {}
+        else:
+            divergence = train_trl(ctx, run, s, lr)
+        write_json(run / "result.json", result | divergence | {"train_wall_s": time.monotonic() - started})
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -1332,6 +1331,18 @@ def versions() -> dict:
     return found
 
 
+def arm_label(arm: str, info: dict, arms: dict[str, dict], last_s: float) -> str:
+    lr = info.get("lr")
+    if lr is None and arm == "ours":  # an arm that failed before result.json was written at its start
+        lr = arms.get("trl-ours-lr", {}).get("lr")  # the recipe's, by that arm's definition
+    label = LABELS[arm] + (f" ({lr:g})" if lr else "")
+    if info.get("diverged_at_step"):
+        label += f" (diverged at step {info['diverged_at_step']})"
+    if info["state"].startswith("failed"):
+        label += f", stopped after its {last_s:.0f} s point ({info['state']})"
+    return label
+
+
 def plot(path: Path, all_results: dict[str, dict]) -> None:
     """Accuracy against training seconds, one panel per task: every arm from the base score at 0 s."""
     try:
@@ -1352,12 +1363,10 @@ def plot(path: Path, all_results: dict[str, dict]) -> None:
             scored = [p for p in info["points"] if p.get("accuracy") is not None]
             xs = [0.0] + [p["clock_s"] for p in scored]
             ys = [base] + [100 * p["accuracy"] for p in scored]
-            label = f"{LABELS[arm]} ({info.get('lr', float('nan')):g})"
-            if info.get("diverged_at_step"):
-                label += f" (diverged at step {info['diverged_at_step']})"
+            label = arm_label(arm, info, results["arms"], xs[-1])
             ax.plot(xs, ys, marker="o", label=label, color=f"C{ARMS.index(arm)}")  # one colour an arm
             budget_s = max(budget_s, info.get("budget_s", 0.0))
-        devices = sorted({info.get("device") or "?" for info in results["arms"].values()})
+        devices = sorted({info["device"] for info in results["arms"].values() if info.get("device")}) or ["?"]
         ax.set(
             xlabel="training seconds", ylabel="test strict accuracy (%, greedy)", xlim=(0, budget_s or None)
         )
