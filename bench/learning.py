@@ -484,7 +484,8 @@ def probe_levels(
 ) -> dict:
     """The base model on synthetic-arith's levels before any training: per level, strict accuracy of k
     samples (temperature 1, as the arms sample) on `problems` held-out problems, the share of problems
-    with at least one right sample (pass@k: the GRPO groups that carry a signal), and greedy accuracy."""
+    with at least one right sample (pass@k: the GRPO groups that carry a signal), and greedy accuracy
+    (`evaluate`, as every curve point is scored)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -494,42 +495,45 @@ def probe_levels(
     tokenizer = load_base_tokenizer(base)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(device).eval()
+    per_batch = max(1, 256 // k)  # problems a generate call, k samples each
     found = {}
     for level in levels:
         rows = task_rows("synthetic-arith", Path(), (problems, problems), level)["test"][:problems]
-        texts = [chat_text(tokenizer, row["prompt"]) for row in rows]
-        truths = [row["reward_model"]["ground_truth"] for row in rows]
-        right = {"sampled": [], "greedy": []}
-        for mode, copies in (("sampled", k), ("greedy", 1)):
-            for start in range(0, len(rows), max(1, 256 // copies)):
-                chunk = range(start, min(start + max(1, 256 // copies), len(rows)))
-                encoded = tokenizer(
-                    [texts[i] for i in chunk for _ in range(copies)],
-                    return_tensors="pt",
-                    padding=True,
-                    add_special_tokens=False,
-                ).to(device)
-                sampling = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
-                with torch.no_grad():
-                    output = model.generate(
-                        **encoded,
-                        **(sampling if mode == "sampled" else {"do_sample": False}),
-                        max_new_tokens=max_new_tokens,
-                        eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id,
-                    )
-                texts_out = tokenizer.batch_decode(
-                    output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+        right = []
+        for start in range(0, len(rows), per_batch):
+            chunk = rows[start : start + per_batch]
+            encoded = tokenizer(
+                [chat_text(tokenizer, row["prompt"]) for row in chunk for _ in range(k)],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(device)
+            with torch.no_grad():
+                output = model.generate(
+                    **encoded,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
                 )
-                for j, i in enumerate(chunk):
-                    group = texts_out[j * copies : (j + 1) * copies]
-                    right[mode].append([score_gsm8k(t, truths[i], "strict").correct for t in group])
+            texts = tokenizer.batch_decode(
+                output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+            for j, row in enumerate(chunk):
+                truth = row["reward_model"]["ground_truth"]
+                right.append([score_gsm8k(t, truth, "strict").correct for t in texts[j * k : (j + 1) * k]])
+        greedy = evaluate(
+            base, base, rows, max_new_tokens=max_new_tokens, batch_size=per_batch * k, device=device
+        )
         found[level] = {
             "problems": len(rows),
             "k": k,
-            "sample_accuracy": sum(map(sum, right["sampled"])) / (len(rows) * k),
-            f"pass_at_{k}": sum(any(group) for group in right["sampled"]) / len(rows),
-            "greedy_accuracy": sum(group[0] for group in right["greedy"]) / len(rows),
+            "sample_accuracy": sum(map(sum, right)) / (len(rows) * k),
+            f"pass_at_{k}": sum(any(group) for group in right) / len(rows),
+            "greedy_accuracy": greedy["accuracy"],
         }
         print(f"probe {level}: " + ", ".join(f"{key} {value:.3g}" for key, value in found[level].items()))
     del model
