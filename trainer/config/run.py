@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from trainer.config import checks, derive
 from trainer.config.schema import (
     SECRET_KEYS,
     ActorRolloutRefConfig,
@@ -209,8 +210,6 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _fill_derived(self) -> Config:
-        from trainer.config import derive
-
         self._conflicts = derive.deprecated_conflicts(self)
         derive.fill_derived(self)
         return self
@@ -230,12 +229,8 @@ class Config(Section):
 
     def problems(self) -> list[str]:
         """Everything that stops this configuration from running (empty when it is fine)."""
-        from trainer.config import checks
-
         return [*self._conflicts, *checks.problems(self)]
 
     def notices(self) -> list[str]:
         """What the user should read once at start: substitutions and keys accepted with no effect."""
-        from trainer.config import checks
-
         return checks.notices(self)
