@@ -1,4 +1,4 @@
-"""Test helpers: free loopback ports and real service processes (python -m services.X)."""
+"""Test helpers: free loopback ports and real service processes (python -m services.X, the rollout server)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,20 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def builtin_servers(model_path: str, count: int, *args: str):
+    """`count` built-in rollout servers on CPU (python -m trainer.rollout.server <args>), not started: the
+    launcher's RolloutServers, as rollout.name=sglang gets SGLang's."""
+    from trainer.rollout.launcher import RolloutServers, ServerProcess
+
+    servers = []
+    for _ in range(count):
+        port = free_port()
+        argv = [sys.executable, "-m", "trainer.rollout.server", "--model", model_path, "--device", "cpu"]
+        argv += ["--host", "127.0.0.1", "--port", str(port), *args]
+        servers.append(ServerProcess(argv, f"http://127.0.0.1:{port}"))
+    return RolloutServers(servers)
 
 
 def small_data_server(train_size: int = 20, test_size: int = 5):

@@ -63,8 +63,9 @@ constant, so the losses (and gradients) of micro-batches add up to exactly the m
 micro-batch 1 x accumulation 8 == 8 x 1, whatever the padding of each micro-batch. With data
 parallelism where gradients are averaged over W ranks, scale the loss by W.
 
-DAPO extra: `overlong_penalty` is the soft overlong punishment added to the score. (Dynamic sampling,
-which drops the groups whose scores are all equal, filters whole prompt groups in trainer/loop.py.)
+DAPO extras live elsewhere: the soft overlong punishment is reward shaping (services/scoring/shaping.py),
+and dynamic sampling, which drops the groups whose scores are all equal, filters whole prompt groups in
+trainer/loop.py.
 """
 
 from __future__ import annotations
@@ -480,22 +481,3 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     """
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     return -(log_probs.exp() * log_probs).sum(dim=-1)
-
-
-# ------------------------------------------------------------------------------------------- DAPO
-
-
-def overlong_penalty(
-    response_lengths: Tensor, *, max_response_len: int, buffer_len: int, penalty_factor: float = 1.0
-) -> Tensor:
-    """DAPO soft overlong punishment, added to the score. response_lengths [B] -> penalty [B], <= 0.
-
-    0 up to max_response_len - buffer_len, then falling linearly to -penalty_factor at max_response_len.
-    Beyond max_response_len it stays at -penalty_factor (the paper's -1; verl keeps it linear, but there
-    a response can never be longer than max_response_len).
-    """
-    if not 0 < buffer_len <= max_response_len:
-        raise ValueError(f"need 0 < buffer_len <= max_response_len; got {buffer_len}, {max_response_len}")
-    expected_len = max_response_len - buffer_len
-    excess = (response_lengths.to(torch.float32) - expected_len).clamp(min=0, max=buffer_len)
-    return -penalty_factor * excess / buffer_len

@@ -37,8 +37,13 @@ from trainer.parallel.groups import (
 from trainer.parallel.ranks import PolicyProfile
 from trainer.rewards import Scorer, close_scorer, open_scorer, reward_options
 from trainer.rollout.base import SamplingParams
-from trainer.rollout.factory import build_rollout, server_urls_from_env, visible_gpus, weights_dir_from_env
-from trainer.rollout.manager import RolloutManager
+from trainer.rollout.manager import (
+    RolloutManager,
+    build_rollout,
+    server_urls_from_env,
+    visible_gpus,
+    weights_dir_from_env,
+)
 from trainer.tracking import Tracker
 
 log = logging.getLogger("trainer")
@@ -220,43 +225,29 @@ def advantage_settings(algorithm) -> AdvantageSettings:
 
 def batch_plan(cfg: Config) -> BatchPlan:
     groups, multi_turn = cfg.algorithm.filter_groups, cfg.actor_rollout_ref.rollout.multi_turn
-    drop = multi_turn.enable and multi_turn.tool_failure == "drop_group"
-    if not groups.enable:
-        return BatchPlan(
-            prompts=cfg.data.train_batch_size,
-            prompts_per_round=cfg.data.train_batch_size,
-            group_filter=None,
-            drop_failed_tool_groups=drop,
-        )
     return BatchPlan(
         prompts=cfg.data.train_batch_size,
-        prompts_per_round=cfg.data.gen_batch_size,
-        group_filter=GroupFilter(metric=groups.metric, max_rounds=groups.max_num_gen_batches),
-        drop_failed_tool_groups=drop,
+        prompts_per_round=cfg.data.gen_batch_size if groups.enable else cfg.data.train_batch_size,
+        group_filter=(
+            GroupFilter(metric=groups.metric, max_rounds=groups.max_num_gen_batches)
+            if groups.enable
+            else None
+        ),
+        drop_failed_tool_groups=multi_turn.enable and multi_turn.tool_failure == "drop_group",
     )
 
 
 def sampling_params(rollout, max_response_length: int, *, validation: bool) -> SamplingParams:
-    if validation:
-        kw = rollout.val_kwargs
-        greedy = not kw.do_sample or kw.temperature == 0
-        return SamplingParams(
-            temperature=0.0 if greedy else kw.temperature,
-            top_p=kw.top_p,
-            top_k=kw.top_k,
-            max_new_tokens=max_response_length,
-            stop=tuple(rollout.stop),
-            stop_token_ids=tuple(rollout.stop_token_ids),
-            n=kw.n,
-        )
+    # validation samples with val_kwargs (greedy unless do_sample); the stop strings and ids are shared
+    kw = rollout.val_kwargs if validation else rollout
     return SamplingParams(
-        temperature=rollout.temperature if rollout.do_sample else 0.0,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
+        temperature=kw.temperature if kw.do_sample else 0.0,
+        top_p=kw.top_p,
+        top_k=kw.top_k,
         max_new_tokens=max_response_length,
         stop=tuple(rollout.stop),
         stop_token_ids=tuple(rollout.stop_token_ids),
-        n=rollout.n,
+        n=kw.n,
     )
 
 

@@ -63,11 +63,9 @@ from trainer.build import (
     close_run,
     seed_everything,
 )
-from trainer.parallel.groups import MEMORY_METRICS
 from trainer.parallel.placement import WorkerGroupError
 from trainer.rewards import RewardErrors, Scores, check_reward_errors, reward_items, scores_of
-from trainer.rollout.base import Rollout, SamplingParams
-from trainer.rollout.metrics import rollout_logprob_gap
+from trainer.rollout.base import Rollout, SamplingParams, derived_seed
 from trainer.workers.engines import KV_CACHE
 from trainer.tracking import (
     Tracker,
@@ -78,6 +76,7 @@ from trainer.tracking import (
     mfu,
     peak_flops_per_gpu,
     progress_metrics,
+    rollout_logprob_gap,
     timed,
     timer,
     training_flops,
@@ -250,8 +249,9 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
                     "(algorithm.filter_groups.max_num_gen_batches)"
                     + (f"; {dropped} groups were dropped for a failed tool call" if dropped else "")
                 )
+            # one seed per step and round; the last index is 1 for validation's (SeedSequence takes no sign)
             sampling = dataclasses.replace(
-                run.sampling, seed=sampling_seed(run.cfg.trainer.seed, step, rounds)
+                run.sampling, seed=derived_seed(run.cfg.trainer.seed, step, rounds, 0)
             )
             prompts = (await run.source.next_batch(plan.prompts_per_round)).prompts
             groups, tools = await generate_groups(run, prompts, sampling, timings)
@@ -319,16 +319,6 @@ async def rollout_phase(run: Run):
         yield
     finally:
         await run.rollout.release_memory_async(KV_CACHE)
-
-
-def sampling_seed(seed: int, step: int, round_: int, validation: bool = False) -> int:
-    """A distinct, reproducible seed for each generation round of each step (and for each validation);
-    each prompt's and sample's seed derives from it, so a sample gets the same seed wherever the replicas
-    run and after a resume (and the same tokens where the logits agree to the bit). SeedSequence takes
-    non-negative entropy only, so the purpose is a flag, not a sign."""
-    entropy = [seed & (2**63 - 1), step, round_, int(validation)]
-    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
-    return int(mixed >> np.uint64(1))
 
 
 async def generate_groups(
@@ -508,9 +498,7 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
     )
     if utilisation is not None:
         metrics["perf/mfu/actor"] = utilisation
-    # the GPU peaks are the ranks' own (in their update metrics)
-    memory = {name: value for name, value in memory_metrics().items() if name not in MEMORY_METRICS}
-    return metrics | memory
+    return metrics | memory_metrics()
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -523,9 +511,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
     dropped, errors, scored, first_error = 0, 0, 0, None
-    sampling = dataclasses.replace(
-        run.val_sampling, seed=sampling_seed(cfg.trainer.seed, step, 0, validation=True)
-    )
+    sampling = dataclasses.replace(run.val_sampling, seed=derived_seed(cfg.trainer.seed, step, 0, 1))
     async with rollout_phase(run):
         async for batch in run.source.validation_batches(cfg.data.val_batch_size):
             groups, _ = await generate_groups(run, batch.prompts, sampling, {})

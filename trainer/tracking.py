@@ -18,7 +18,7 @@ The metric helpers compute verl's names with verl's definitions (verl/trainer/pp
 critic/score/*, critic/rewards/*, critic/advantages/*, critic/returns/*, critic/values/*,
 response_length/*, prompt_length/*, timing_s/*, timing_per_token_ms/*, perf/throughput (tokens per
 second per GPU), perf/mfu/actor, perf/max_memory_{allocated,reserved}_gb, perf/cpu_memory_used_gb,
-training/global_step, training/epoch.
+training/global_step, training/epoch, training/rollout_probs_diff_*.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "swanlab")
 LOGGERS_EXTRA = "pip install 'rl-jobgroup[loggers]'"
@@ -381,26 +382,6 @@ def _generations_markdown(rows: list[dict]) -> str:
 # ------------------------------------------------------------------------------------- metric helpers
 
 
-def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
-    """One number per metric from per-micro-batch lists: max for `.../max*`, min for `.../min*`, else mean.
-
-    As verl reduces; the name test looks at the last path component only. Empty lists are dropped.
-    """
-    reduced = {}
-    for key, items in values.items():
-        if len(items) == 0:
-            continue
-        numbers = [float(_as_scalar(item)) for item in items]
-        leaf = key.rsplit("/", 1)[-1]
-        if "max" in leaf:
-            reduced[key] = max(numbers)
-        elif "min" in leaf:
-            reduced[key] = min(numbers)
-        else:
-            reduced[key] = sum(numbers) / len(numbers)
-    return reduced
-
-
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
     return {
@@ -476,6 +457,32 @@ _TOKENS_FOR_STAGE = {
 }
 
 
+def rollout_logprob_gap(rollout_logprobs: Tensor, trainer_logprobs: Tensor, response_mask: Tensor) -> dict:
+    """How far the engine's logprobs are from the trainer's: [B, R] logprobs of the same tokens from
+    each, [B, R] mask -> metrics. The engine samples with its own kernels and dtype (bf16 on GPU); a
+    growing gap means the rollout is more off-policy than the algorithm assumes (or an engine bug).
+    verl's training/rollout_probs_diff_* (absolute difference of the token *probabilities*) and their
+    Pearson correlation; training/rollout_logprob_diff_mean adds the mean absolute logprob difference."""
+    mask = response_mask.bool()
+    if not bool(mask.any()):
+        return {"training/rollout_probs_diff_valid": 0.0}
+    engine = rollout_logprobs.detach().float()[mask]
+    trainer = trainer_logprobs.detach().float().to(engine.device)[mask.to(engine.device)]
+    engine_probs, trainer_probs = engine.exp(), trainer.exp()
+    probs_diff = (engine_probs - trainer_probs).abs()
+    metrics = {
+        "training/rollout_probs_diff_valid": 1.0,
+        "training/rollout_probs_diff_max": probs_diff.max().item(),
+        "training/rollout_probs_diff_mean": probs_diff.mean().item(),
+        "training/rollout_probs_diff_std": probs_diff.std().item() if probs_diff.numel() > 1 else 0.0,
+        "training/rollout_logprob_diff_mean": (engine - trainer).abs().mean().item(),
+    }
+    if engine_probs.numel() > 1 and engine_probs.std() > 0 and trainer_probs.std() > 0:
+        stacked = torch.stack([engine_probs, trainer_probs])
+        metrics["training/rollout_actor_probs_pearson_corr"] = torch.corrcoef(stacked)[0, 1].item()
+    return metrics
+
+
 def compute_timing_metrics(
     timings: dict[str, float], *, num_prompt_tokens: int, num_response_tokens: int
 ) -> dict[str, float]:
@@ -546,23 +553,14 @@ def peak_flops_per_gpu(device_name: str | None = None) -> float | None:
     return None
 
 
-def max_memory_allocated_gb() -> float | None:
-    """perf/max_memory_allocated_gb: peak CUDA memory held by tensors (GiB); None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
 def memory_metrics() -> dict[str, float]:
-    """verl's perf/ memory metrics in GiB: the CUDA peaks (allocated by tensors, reserved by the caching
-    allocator) when there is a GPU, and the host's used memory (psutil's `used`, as verl) always."""
+    """verl's perf/cpu_memory_used_gb: the host's used memory in GiB (psutil's `used`, as verl).
+
+    The GPU peaks are not the driver's: each rank reports its own with its update
+    (trainer/parallel/ranks.py `peak_memory`) and the group keeps the largest."""
     import psutil
 
-    metrics = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
-    if torch.cuda.is_available():
-        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
-    return metrics
+    return {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
 
 
 def progress_metrics(step: int, epoch: int) -> dict[str, float]:

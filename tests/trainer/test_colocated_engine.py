@@ -4,6 +4,7 @@ rollout.name picks on which device."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -98,9 +99,9 @@ def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_bucke
         assert inner.released == {"kv_cache"} and inner.cache is None  # nothing held until a rollout phase
         prompts = encode(tok)[:3]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-        manager.resume_memory(KV_CACHE)
+        asyncio.run(manager.resume_memory_async(KV_CACHE))
         before = [r.response_ids for r in manager.generate(prompts, greedy)]
-        manager.release_memory(KV_CACHE)
+        asyncio.run(manager.release_memory_async(KV_CACHE))
         assert inner.released == {"kv_cache"} and inner.cache is None  # released again once done
         # the policy moves on; its tensors reach the engine in two buckets (a subset each), cache released
         moved = copy.deepcopy(model)
@@ -111,7 +112,7 @@ def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_bucke
         names = sorted(state)
         replica.load_weights_now({name: state[name] for name in names[: len(names) // 2]})
         replica.load_weights_now({name: state[name] for name in names[len(names) // 2 :]})
-        manager.resume_memory(KV_CACHE)
+        asyncio.run(manager.resume_memory_async(KV_CACHE))
         after = [r.response_ids for r in manager.generate(prompts, greedy)]
         from trainer.rollout.builtin import load_engine
 

@@ -10,6 +10,7 @@ relative); AdamW's first steps divide by sqrt(v) ~ |g|, which magnifies rounding
 gradients, so parameters are compared through the model's logprobs on a probe batch (atol 1e-4).
 """
 
+import asyncio
 import importlib.util
 import os
 import time
@@ -29,7 +30,7 @@ from trainer.workers.policy import Policy, PolicyLossSettings
 from trainer.workers.common import OptimizerSettings, TokenBudget, UpdateSettings, token_budget_bounds
 from trainer.parallel.groups import PolicyGroup
 from trainer.parallel.placement import RayRanks, ResourcePool, connect_ray
-from trainer.parallel.ranks import EngineSettings, ModelSettings, PolicyRankSettings, build_policy
+from trainer.parallel.ranks import EngineSettings, ModelSettings, PolicyRank, PolicyRankSettings
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +105,7 @@ def policy_group(model_dir, nnodes: int, **settings) -> PolicyGroup:
     import functools
 
     pool = ResourcePool(nnodes, 1, use_gpu=False)
-    build = functools.partial(build_policy, policy_settings(model_dir, **settings))
+    build = functools.partial(PolicyRank, policy_settings(model_dir, **settings))
     ranks = RayRanks(pool, build, role="policy", share=1.0, seed=0)
     return PolicyGroup(ranks, mini_batch_size=MINI_BATCH), pool
 
@@ -235,7 +236,7 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
     from trainer.model import load_critic
     from trainer.workers.critic import Critic, ValueLossSettings
     from trainer.parallel.groups import CriticGroup
-    from trainer.parallel.ranks import CriticRankSettings, build_critic
+    from trainer.parallel.ranks import CriticRank, CriticRankSettings
 
     settings = CriticRankSettings(
         # the ranks also recompute activations in backward (gradient checkpointing under FSDP2)
@@ -246,7 +247,7 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
         forward_micro_batch_size=2,
     )
     pool = ResourcePool(2, 1, use_gpu=False)
-    ranks = RayRanks(pool, functools.partial(build_critic, settings), role="critic", share=1.0, seed=0)
+    ranks = RayRanks(pool, functools.partial(CriticRank, settings), role="critic", share=1.0, seed=0)
     group = CriticGroup(ranks, mini_batch_size=MINI_BATCH)
     try:
         group.save(str(tmp_path / "start"))
@@ -275,7 +276,7 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
 
     group, pool = policy_group(model_dir, nnodes=2, engine=name)
     engine = RolloutManager(ReplicaPool(group.replicas()), pad_id=0)
-    engine.resume_memory(("kv_cache",))
+    asyncio.run(engine.resume_memory_async(("kv_cache",)))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=5, n=2)
 

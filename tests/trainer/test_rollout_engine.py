@@ -16,9 +16,12 @@ from trainer.rollout.base import SamplingParams
 from trainer.rollout.builtin import EngineConfig, load_engine
 from trainer.rollout.builtin.engine import EngineStateError
 from trainer.rollout.builtin.sampler import sampling_floors, token_seeds, torch_sample
-from trainer.rollout.manager import local_manager
-from trainer.rollout.metrics import rollout_logprob_gap
+from trainer.rollout.builtin.worker import EngineWorker
+from trainer.rollout.local import LocalReplica
+from trainer.rollout.manager import RolloutManager
+from trainer.rollout.pool import ReplicaPool
 from testing.tiny import char_tokenizer, tiny_qwen2_config
+from trainer.tracking import rollout_logprob_gap
 from trainer.workers.policy import response_logprobs
 
 QUESTIONS = ["What is 2+3?", "hi", "Name a colour, then stop.", "Count: 1 2 3 4 5 6 7", "x"]
@@ -104,9 +107,10 @@ def test_greedy_equals_transformers_generate(arch):
     ],
 )
 def test_logprobs_agree_with_the_trainers_recomputation(qwen, sampling):
-    """Through the RolloutEngine adapter (manager over the in-process replica), as the trainer uses it."""
+    """Through the rollout manager over the in-process replica, as the trainer uses it."""
     model, tok = qwen
-    manager = local_manager(engine_for(model, tok), pad_id=tok.pad_token_id)
+    replica = LocalReplica(EngineWorker(engine_for(model, tok)), with_text=False)
+    manager = RolloutManager(ReplicaPool([replica]), pad_id=tok.pad_token_id)
     try:
         rollouts = manager.generate(encode(tok), sampling)
     finally:

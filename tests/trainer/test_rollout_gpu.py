@@ -13,7 +13,7 @@ from tests.trainer.test_rollout_kernels import check_fused_engine, check_kernels
 from trainer.rollout.builtin import kernels
 from trainer.batch import TrainBatch
 from trainer.rollout.base import Rollout, SamplingParams
-from trainer.rollout.metrics import rollout_logprob_gap
+from trainer.tracking import rollout_logprob_gap
 from trainer.workers.policy import response_logprobs
 
 pytestmark = pytest.mark.gpu

@@ -18,15 +18,14 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import service_process
+from tests.helpers import builtin_servers, service_process
 from tests.trainer.test_rollout_engine import encode, engine_for, hf_greedy, varied_model
-from trainer.rollout.base import SamplingParams
+from trainer.rollout.base import SamplingParams, derived_seed
 from trainer.rollout.builtin.worker import EngineWorker
 from trainer.rollout.client import HttpReplica, ReplicaDown, RolloutRequestError
-from trainer.rollout.launcher import builtin_servers, gpu_groups, sglang_command, sglang_servers
+from trainer.rollout.launcher import gpu_groups, sglang_command, sglang_servers
 from trainer.rollout.local import LocalReplica
 from trainer.rollout.manager import RolloutManager, http_manager
-from trainer.rollout.protocol import sample_seed
 from trainer.rollout.pool import ReplicaPool, RolloutUnavailable
 
 SERVER_ARGS = ("--device", "cpu", "--max-running-requests", "8", "--context-length", "160")
@@ -200,14 +199,14 @@ def test_http_manager_gives_the_same_rollouts_as_the_engine_in_process(server, m
     manager = http_manager([server], pad_id=tok.pad_token_id, config_dir=model_dir)
     try:
         rollouts = manager.generate(prompts, sampling)
-        # the same seeds in process: prompt i is seeded sample_seed(11, i, 0) by the manager, and its sample
-        # j is sent alone by the HTTP replica, seeded sample_seed(that, i, j)
+        # the same seeds in process: prompt i is seeded derived_seed(11, i, 0) by the manager, and its sample
+        # j is sent alone by the HTTP replica, seeded derived_seed(that, i, j)
         engine = engine_for(model, tok)
         expected = [
             engine.generate(
                 [p],
                 SamplingParams(
-                    temperature=1.0, max_new_tokens=12, n=1, seed=sample_seed(sample_seed(11, i, 0), i, j)
+                    temperature=1.0, max_new_tokens=12, n=1, seed=derived_seed(derived_seed(11, i, 0), i, j)
                 ),
             )[0]
             for i, p in enumerate(prompts)
@@ -270,7 +269,7 @@ def test_a_replica_that_dies_mid_batch_has_its_requests_retried_elsewhere(models
     ]
     # two real servers, started by the launcher (as rollout.name=sglang starts SGLang), one slot each: the
     # pool splits the 10 prompts between them, so the victim holds running and queued requests when it dies
-    with builtin_servers(model_dir, 2, device="cpu", max_running_requests=1, context_length=160) as servers:
+    with builtin_servers(model_dir, 2, "--max-running-requests", "1", "--context-length", "160") as servers:
         survivor, victim = servers.servers
         manager = http_manager(servers.urls, pad_id=tok.pad_token_id)
 
@@ -362,7 +361,7 @@ def test_sglang_command_line():
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
-    servers = builtin_servers(str(tmp_path / "missing"), 1, device="cpu")
+    servers = builtin_servers(str(tmp_path / "missing"), 1)
     with pytest.raises(RuntimeError, match="exited with") as caught:
         servers.start(timeout_s=120)
     assert "missing" in str(caught.value)
@@ -370,7 +369,7 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
 
 def test_build_rollout_for_each_name(server, models):
     """hf and builtin: the policy ranks' engines as replicas; sglang: servers at the given URLs."""
-    from trainer.rollout.factory import build_rollout
+    from trainer.rollout.manager import build_rollout
     from trainer.workers.engines import KV_CACHE, EngineSettings, colocated_replica
 
     model, model_dir = models["first"]
@@ -397,7 +396,7 @@ def test_build_rollout_for_each_name(server, models):
             name, replicas=replicas, pad_id=tok.pad_token_id, model_path=model_dir, server_urls=urls
         )
         try:
-            manager.resume_memory(KV_CACHE)
+            asyncio.run(manager.resume_memory_async(KV_CACHE))
             assert [r.response_ids for r in manager.generate(prompts, greedy_sampling)] == expected, name
         finally:
             manager.close()
@@ -408,7 +407,7 @@ def test_build_rollout_for_each_name(server, models):
 def test_weight_checkpoints_go_to_the_shared_folder_the_env_names(server, models, tmp_path, monkeypatch):
     """ROLLOUT_WEIGHTS_DIR (a path remote servers share) -> build_rollout -> the manager's checkpoints,
     which the server then loads from there."""
-    from trainer.rollout.factory import build_rollout, weights_dir_from_env
+    from trainer.rollout.manager import build_rollout, weights_dir_from_env
 
     first, first_dir = models["first"]
     second, _ = models["second"]
@@ -440,7 +439,7 @@ def test_weight_checkpoints_go_to_the_shared_folder_the_env_names(server, models
 def test_weight_checkpoints_in_a_temporary_folder_are_removed_at_close(server, models):
     """No ROLLOUT_WEIGHTS_DIR: the manager writes to a folder of its own (a full model copy, in /dev/shm
     where there is one) and removes it when it closes."""
-    from trainer.rollout.factory import build_rollout
+    from trainer.rollout.manager import build_rollout
 
     first, first_dir = models["first"]
     manager = build_rollout(

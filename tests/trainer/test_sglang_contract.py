@@ -27,7 +27,7 @@ from tests.helpers import free_port, service_process
 from tests.trainer.test_rollout_engine import encode, hf_greedy, varied_model
 from trainer.rollout.client import HttpReplica, RolloutRequestError, _older
 from trainer.rollout.sglang_fields import GENERATE_FIELDS, GENERATE_REFUSED, SAMPLING_FIELDS, SAMPLING_REFUSED
-from trainer.rollout.weight_group import WeightBroadcaster
+from trainer.rollout.weight_group import DEFAULT_GROUP_NAME, destroy_weight_group, init_weight_group
 
 CONTEXT = 160
 SERVER_ARGS = ("--device", "cpu", "--max-running-requests", "8", "--context-length", str(CONTEXT))
@@ -515,6 +515,45 @@ def test_slime_and_verl_style_client_flows(server, models, is_ours):
     assert not is_ours or restored == hf_greedy(first, prompt, 6)
 
 
+class WeightSender:
+    """A trainer's end of the distributed weight update (slime's and verl's), for one server: rank 0 of a
+    group with the server's ranks 1..tp_size. Each HTTP call runs together with rank 0's own part of it,
+    since neither returns before the other side has joined in."""
+
+    def __init__(self, replica: HttpReplica, *, port: int) -> None:
+        self.replica, self.port = replica, port
+        self.group = None
+
+    async def connect(self) -> None:
+        world_size = 1 + int((await self.replica.server_info()).get("tp_size") or 1)
+        where = {"master_address": "127.0.0.1", "master_port": self.port, "world_size": world_size}
+        join = {**where, "rank_offset": 1, "group_name": DEFAULT_GROUP_NAME, "backend": "gloo"}
+        own = asyncio.to_thread(init_weight_group, **where, rank=0, group_name=DEFAULT_GROUP_NAME)
+        self.group, _ = await asyncio.gather(own, self.replica._checked("/init_weights_update_group", join))
+
+    async def send(self, named_tensors: dict, *, weight_version: str) -> None:
+        """Every tensor, in the order of the metadata; returns once the server loaded them."""
+        tensors = {name: t.detach().contiguous() for name, t in named_tensors.items()}
+        metadata = {
+            "names": list(tensors),
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()],
+            "group_name": DEFAULT_GROUP_NAME,
+            "weight_version": weight_version,
+        }
+
+        def broadcast() -> None:
+            for tensor in tensors.values():
+                torch.distributed.broadcast(tensor, src=0, group=self.group)
+
+        update = self.replica._checked("/update_weights_from_distributed", metadata)
+        await asyncio.gather(asyncio.to_thread(broadcast), update)
+
+    def close(self) -> None:
+        if self.group is not None:
+            destroy_weight_group(self.group)
+
+
 def test_distributed_weight_update_over_gloo(ours, models):
     """Ours only: gloo on CPU (SGLang joins the group with NCCL on its GPU).
     model_runner_components/weight_updater.py: /init_weights_update_group joins rank_offset + tp_rank
@@ -525,9 +564,7 @@ def test_distributed_weight_update_over_gloo(ours, models):
 
     async def run() -> None:
         replica = HttpReplica(ours)
-        sender = WeightBroadcaster(
-            [replica], master_address="127.0.0.1", master_port=free_port(), backend="gloo"
-        )
+        sender = WeightSender(replica, port=free_port())
         try:
             await sender.connect()
             await sender.send(second.state_dict(), weight_version="dist-1")
@@ -539,7 +576,7 @@ def test_distributed_weight_update_over_gloo(ours, models):
             await sender.send(first.state_dict(), weight_version="dist-2")
         finally:
             sender.close()
-            await replica._checked("/destroy_weights_update_group", {"group_name": "weight_update_group"})
+            await replica._checked("/destroy_weights_update_group", {"group_name": DEFAULT_GROUP_NAME})
             await replica.close()
 
     asyncio.run(run())

@@ -423,20 +423,6 @@ def test_entropy_from_logits():
     torch.testing.assert_close(entropy, torch.tensor(math.log(2)), **F32)
 
 
-# -------------------------------------------------------------------------------------------- DAPO
-
-
-def test_overlong_penalty_inside_buffer_and_beyond():
-    lengths = torch.tensor([10, 16, 17, 18, 20, 25])
-    penalty = algos.overlong_penalty(lengths, max_response_len=20, buffer_len=4, penalty_factor=0.5)
-    # expected length 20 - 4 = 16; -0.5 * (len - 16) / 4, capped at -0.5 beyond 20
-    torch.testing.assert_close(penalty, t32([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]), **F32)
-    with pytest.raises(ValueError, match="buffer_len"):
-        algos.overlong_penalty(lengths, max_response_len=20, buffer_len=0)
-    with pytest.raises(ValueError, match="buffer_len"):
-        algos.overlong_penalty(lengths, max_response_len=20, buffer_len=21)
-
-
 # ----------------------------------------------------------------------- micro-batch invariance
 
 

@@ -45,8 +45,8 @@ def notices(config: Config) -> list[str]:
     rollout = config.actor_rollout_ref.rollout
     if rollout.multi_turn.enable and rollout.name not in (rollout.engine, "auto"):
         lines.append(
-            f"rollout: multi-turn tool calls run on the {rollout.engine} engine (the rollout manager's async "
-            f"path), not on actor_rollout_ref.rollout.name={rollout.name}"
+            f"rollout: multi-turn tool calls run on the {rollout.engine} engine (it batches turns "
+            f"continuously as they arrive), not on actor_rollout_ref.rollout.name={rollout.name}"
         )
     elif rollout.name == "vllm":
         lines.append(

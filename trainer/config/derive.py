@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from trainer.config.run import Config
     from trainer.config.schema import Section
 
-# What generates for each rollout.name (trainer/rollout/factory.py builds it). auto (and vllm, which is
-# not wired in yet: trainer/config/checks.py says so at start) pick the fast built-in engine on a GPU and
-# transformers generate on the CPU, where the built-in engine gains nothing and needs a weight copy.
+# What generates for each rollout.name (trainer/rollout/manager.py `build_rollout` builds it). auto (and
+# vllm, which is not wired in yet: trainer/config/checks.py says so at start) pick the fast built-in engine
+# on a GPU and transformers generate on the CPU, where the built-in engine gains nothing. Either runs on
+# each policy rank on its own copy of the weights, as a replica behind the rollout manager.
 ENGINE_USED = {"hf": "hf", "builtin": "builtin", "sglang": "sglang"}
 
 
@@ -131,7 +132,9 @@ def fill_derived(config: Config) -> None:
     rollout.response_length = rollout.response_length or data.max_response_length
     rollout.engine = engine_used(rollout.name, config.trainer.device)
     if rollout.multi_turn.enable and rollout.engine == "hf":
-        rollout.engine = "builtin"  # the agent loop needs the rollout manager's async, batching path
+        # the agent loop's turns reach the engine one by one, as their tool calls return: the built-in
+        # engine batches them continuously, where hf runs one generate call per handful arriving together
+        rollout.engine = "builtin"
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
     actor.loss_scale_factor = actor.loss_scale_factor or data.max_response_length

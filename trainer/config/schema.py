@@ -331,10 +331,10 @@ class RolloutConfig(Section):
     name: Literal["auto", "hf", "builtin", "sglang", "vllm"] = Field(
         "auto",
         description="Generation engine asked for. auto: builtin on a GPU, hf on the CPU. hf: transformers "
-        "over the policy's own module (a bf16 copy in Ray ranks); builtin: the built-in fast engine "
-        "(continuous batching; Triton kernels and CUDA graphs on GPU) colocated with the policy; sglang: "
-        "SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not wired in yet, auto's "
-        "engine generates instead (said at start).",
+        "generate; builtin: the built-in fast engine (continuous batching; Triton kernels and CUDA graphs on "
+        "GPU). Both run on every policy rank on their own copy of the weights (bf16 on GPU), synced after "
+        "each update; sglang: SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not "
+        "wired in yet, auto's engine generates instead (said at start).",
     )
     engine: str | None = Field(
         None,

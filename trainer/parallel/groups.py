@@ -192,19 +192,19 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
     """Every role's ranks, each loading its model: one local rank in this process, or (cfg.uses_ray:
     trainer.use_ray, or more than one GPU) Ray actors over trainer.nnodes x trainer.n_gpus_per_node."""
     from trainer.parallel import settings as rank_settings
-    from trainer.parallel.ranks import build_critic, build_policy, build_reference
+    from trainer.parallel.ranks import CriticRank, PolicyRank, ReferenceRank
 
     trainer = cfg.trainer
     builds = {
-        "policy": functools.partial(build_policy, rank_settings.policy_rank_settings(cfg, precision, steps))
+        "policy": functools.partial(PolicyRank, rank_settings.policy_rank_settings(cfg, precision, steps))
     }
     if cfg.use_reference:
         builds["reference"] = functools.partial(
-            build_reference, rank_settings.reference_rank_settings(cfg, precision)
+            ReferenceRank, rank_settings.reference_rank_settings(cfg, precision)
         )
     if cfg.use_critic:
         builds["critic"] = functools.partial(
-            build_critic, rank_settings.critic_rank_settings(cfg, precision, steps)
+            CriticRank, rank_settings.critic_rank_settings(cfg, precision, steps)
         )
     if cfg.uses_ray:
         how = connect_ray(num_cpus=max(cfg.world_size, os.cpu_count() or 1) if device.type == "cpu" else None)

@@ -1,8 +1,8 @@
 """What one rank of each role does: load its model, shard it (FSDP2), and serve its group.
 
 A rank is the unit of every run: the group (trainer/parallel/groups.py) builds one per GPU, in this
-process (one rank: CPU runs, one GPU) or in Ray actors, through `build_*`, which run where the rank
-lives: models are loaded there from their path, never shipped from the driver. Each class wraps the
+process (one rank: CPU runs, one GPU) or in Ray actors, constructed where the rank lives: models are
+loaded there from their path, never shipped from the driver. Each class wraps the
 math of its role (trainer/workers/policy.py, reference.py, critic.py) around the sharded model and adds
 what only a rank needs: moving its state off the GPU between calls, sharded checkpoints, and, for the
 policy, the colocated rollout engine and the weight sync into it.
@@ -260,10 +260,6 @@ class PolicyProfile:
         )
 
 
-def build_policy(settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> PolicyRank:
-    return PolicyRank(settings, dp, device)
-
-
 # ------------------------------------------------------------------------------ reference
 
 
@@ -291,10 +287,6 @@ class ReferenceRank:
     def compute_logprobs(self, shard):
         with self.offloader.on_device():
             return self.reference.compute_logprobs(shard)
-
-
-def build_reference(settings: ReferenceRankSettings, dp: DataParallel, device: torch.device) -> ReferenceRank:
-    return ReferenceRank(settings, dp, device)
 
 
 # ------------------------------------------------------------------------------ critic
@@ -337,7 +329,3 @@ class CriticRank(_Checkpointed):
     def update(self, shard) -> dict[str, float]:
         with self.offloader.on_device():
             return self.trained.update(shard) | peak_memory(self.device)
-
-
-def build_critic(settings: CriticRankSettings, dp: DataParallel, device: torch.device) -> CriticRank:
-    return CriticRank(settings, dp, device)

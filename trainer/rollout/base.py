@@ -1,4 +1,4 @@
-"""The rollout engine interface: what the fit loop asks of any generator (built-in, fast, SGLang).
+"""The rollout records: what every generator (built-in, hf, SGLang) is asked and gives back.
 
 An engine turns prompt token ids into `Rollout`s: the response token ids, the logprob of each sampled
 token, a loss mask and why generation ended. `n` samples of one prompt come out next to each other
@@ -15,7 +15,9 @@ against, and the one `Policy.compute_logprobs(..., temperature=...)` recomputes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
+
+import numpy as np
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -57,6 +59,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def derived_seed(seed: int, *indices: int) -> int:
+    """A distinct, reproducible 63-bit seed for each tuple of indices under one seed (the loop's per step
+    and round, the manager's per prompt, the HTTP replica's per sample), so a sample gets the same seed
+    wherever the replicas run and after a resume. SeedSequence takes non-negative entropy only."""
+    entropy = [seed & (2**63 - 1), *indices]
+    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
+    return int(mixed >> np.uint64(1))
+
+
 @dataclass
 class Rollout:
     """One generated response (a prompt sampled n times gives n Rollouts)."""
@@ -67,25 +78,3 @@ class Rollout:
     loss_mask: list[int]  # 1 per response token trained on (0 on tool output in multi-turn rollouts)
     finish_reason: FinishReason
     prompt_index: int  # index of the prompt in the list given to generate()
-
-
-class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
-        """len(prompt_ids) * sampling.n rollouts, grouped by prompt."""
-        ...
-
-    def load_weights(self, state_dict_or_model) -> None:
-        """Make the engine sample from the policy's current weights."""
-        ...
-
-    def release_memory(self) -> None:
-        """Free generation-only memory (KV cache) before training; a no-op where there is none."""
-        ...
-
-    def resume_memory(self) -> None:
-        """Undo release_memory before the next generate()."""
-        ...
-
-    def close(self) -> None:
-        """Stop what the engine runs (threads, servers it started); the run is over."""
-        ...

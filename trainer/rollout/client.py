@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 
 import httpx
 
-from trainer.rollout.base import Rollout
-from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs, sample_seed
+from trainer.rollout.base import Rollout, derived_seed
+from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class HttpReplica:
         singles = [
             {
                 **payload,
-                "sampling_params": {**params, "n": 1, "sampling_seed": sample_seed(seed, prompt_index, j)},
+                "sampling_params": {**params, "n": 1, "sampling_seed": derived_seed(seed, prompt_index, j)},
             }
             for j in range(n)
         ]
@@ -144,10 +144,6 @@ class HttpReplica:
         if self._info is None:
             self._info = await self.server_info()
         return self._info
-
-    async def server_version(self) -> str | None:
-        """/get_server_info's `version`; None when the server does not say."""
-        return (await self.startup_info()).get("version")
 
     async def is_builtin(self) -> bool:
         return (await self.startup_info()).get("engine") == BUILTIN_ENGINE
@@ -173,23 +169,6 @@ class HttpReplica:
                 self.url,
             )
 
-    async def health_generate(self, timeout_s: float = 30.0) -> bool:
-        """GET /health_generate: the server generated a token (slime's and the router's check)."""
-        try:
-            response = await self._http.get(self.url + "/health_generate", timeout=timeout_s)
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
-
-    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
-        await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
-
-    async def pause_generation(self, mode: str = "abort") -> None:
-        await self._call("POST", "/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> None:
-        await self._call("POST", "/continue_generation", {})
-
     async def get_weight_version(self) -> str | None:
         """/get_model_info's `weight_version` (SGLang 0.5.23 serves no /get_weight_version); a server whose
         model info lacks the key is an older release: its /get_weight_version."""
@@ -197,39 +176,6 @@ class HttpReplica:
         if "weight_version" in info:
             return info["weight_version"]
         return (await self._call("GET", "/get_weight_version")).json()["weight_version"]
-
-    async def update_weight_version(self, version: str, *, abort_all_requests: bool = False) -> None:
-        payload = {"new_version": version, "abort_all_requests": abort_all_requests}
-        await self._checked("/update_weight_version", payload)
-
-    async def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        """POST /init_weights_update_group; answers once every rank joined (see WeightBroadcaster)."""
-        payload = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        await self._checked("/init_weights_update_group", payload)
-
-    async def update_weights_from_distributed(
-        self, metadata: dict, *, weight_version: str | None = None, flush_cache: bool = True
-    ) -> None:
-        """POST /update_weights_from_distributed with names / dtypes / shapes / group_name; the server
-        then receives the tensors rank 0 broadcasts (see WeightBroadcaster)."""
-        payload = {**metadata, "flush_cache": flush_cache, "weight_version": weight_version}
-        await self._checked("/update_weights_from_distributed", payload)
 
     async def update_weights_from_disk(
         self, model_path: str, *, load_format: str | None = None, weight_version: str | None = None
@@ -243,14 +189,14 @@ class HttpReplica:
         """The built-in server's form of the route: one base64 safetensors payload (see protocol.py).
         SGLang takes CUDA-IPC handles per TP rank there, not safetensors, so for an SGLang server this
         refuses before sending: update it from disk (update_weights_from_disk, a folder both can read) or
-        over a distributed group (init_weights_update_group, update_weights_from_distributed)."""
+        over a distributed group (SGLang's /update_weights_from_distributed)."""
         from safetensors.torch import save
 
         if not await self.is_builtin():
             raise RolloutRequestError(
                 f"{self.url}: update_weights_from_tensor sends safetensors, which only the built-in "
                 "rollout server reads (SGLang expects CUDA-IPC handles); use update_weights_from_disk "
-                "with a checkpoint folder the server can read, or update_weights_from_distributed",
+                "with a checkpoint folder the server can read, or /update_weights_from_distributed",
                 400,
             )
 

@@ -276,12 +276,6 @@ class HFRolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def resume_memory(self) -> None:
-        """Nothing was released that generate() does not rebuild."""
-
-    def close(self) -> None:
-        """Nothing to stop (the engine owns no thread, process or server)."""
-
 
 class HFReplica:
     """An HFRolloutEngine as a replica of the rollout manager (a policy rank's `hf` engine).

@@ -1,5 +1,5 @@
-"""Start rollout servers next to the trainer: one `python -m sglang.launch_server` per GPU (or TP group),
-or the built-in engine's server; wait until each answers /health; stop them on exit.
+"""Start rollout servers next to the trainer: one `python -m sglang.launch_server` per GPU (or TP group);
+wait until each answers /health; stop them on exit.
 
 `rollout.name=sglang` uses this when no server URLs are given. Flags are SGLang 0.5.23's
 (sglang/srt/arg_groups/fields/: --model-path, --tp-size, --mem-fraction-static, --enable-memory-saver,
@@ -59,26 +59,6 @@ def sglang_command(
         argv.append("--enable-memory-saver")
     if deterministic_inference:
         argv.append("--enable-deterministic-inference")
-    return argv + list(extra_args)
-
-
-def builtin_command(
-    model_path: str,
-    *,
-    port: int,
-    host: str = "127.0.0.1",
-    device: str = "auto",
-    max_running_requests: int | None = None,
-    context_length: int | None = None,
-    extra_args: Sequence[str] = (),
-    python: str = sys.executable,
-) -> list[str]:
-    argv = [python, "-m", "trainer.rollout.server", "--model", model_path]
-    argv += ["--host", host, "--port", str(port), "--device", device]
-    if max_running_requests is not None:
-        argv += ["--max-running-requests", str(max_running_requests)]
-    if context_length is not None:
-        argv += ["--context-length", str(context_length)]
     return argv + list(extra_args)
 
 
@@ -189,25 +169,4 @@ def sglang_servers(
         port = port_base + index if port_base is not None else free_port(host)
         argv = sglang_command(model_path, port=port, host=host, tp_size=tp_size, **command_kwargs)
         servers.append(ServerProcess(argv, f"http://{host}:{port}", {"CUDA_VISIBLE_DEVICES": visible}))
-    return RolloutServers(servers)
-
-
-def builtin_servers(
-    model_path: str,
-    count: int,
-    *,
-    gpus: Sequence[str] | None = None,
-    host: str = "127.0.0.1",
-    port_base: int | None = None,
-    **command_kwargs,
-) -> RolloutServers:
-    """`count` built-in servers, server i on gpus[i] when given (not started)."""
-    if gpus is not None and len(gpus) != count:
-        raise ValueError(f"{count} servers need {count} GPUs, got {list(gpus)}")
-    servers = []
-    for index in range(count):
-        port = port_base + index if port_base is not None else free_port(host)
-        argv = builtin_command(model_path, port=port, host=host, **command_kwargs)
-        env = {"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus is not None else {}
-        servers.append(ServerProcess(argv, f"http://{host}:{port}", env))
     return RolloutServers(servers)

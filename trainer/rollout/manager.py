@@ -13,26 +13,46 @@ Weights: the policy ranks sync their colocated engines themselves (a collective 
 for rollout servers the manager sends a checkpoint written to `weights_dir`
 (/update_weights_from_disk, which SGLang and our server both implement), or tensors to an in-process
 LocalReplica.
+
+`build_rollout` makes the run's manager from `actor_rollout_ref.rollout.name`:
+hf       transformers generate on each policy rank, next to its model (trainer/workers/engines.py)
+builtin  the built-in fast engine on each policy rank, next to its model
+sglang   SGLang servers: the given URLs, or one `python -m sglang.launch_server` per GPU group,
+         started here and stopped by close()
+SGLang servers load new weights from a checkpoint folder (/update_weights_from_disk). Servers on other
+machines (ROLLOUT_SERVER_URLS) can read it only from a shared filesystem: ROLLOUT_WEIGHTS_DIR names
+that folder (default: a temporary folder on this machine, fine for servers started here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import shutil
 import tempfile
 import threading
-from dataclasses import replace
 from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
-
-from trainer.rollout.base import Rollout, SamplingParams
+from trainer.rollout.base import Rollout, SamplingParams, derived_seed
 from trainer.rollout.pool import Replica, ReplicaPool
-from trainer.rollout.protocol import sample_seed, wire_sampling
+from trainer.rollout.protocol import wire_sampling
 
 T = TypeVar("T")
+RolloutName = Literal["hf", "builtin", "sglang"]
+log = logging.getLogger(__name__)
+
+URLS_ENV = "ROLLOUT_SERVER_URLS"  # comma-separated, like the services' *_URL variables
+WEIGHTS_DIR_ENV = "ROLLOUT_WEIGHTS_DIR"  # where weight checkpoints for the servers go (a shared path)
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
+# The share of a GPU a started SGLang server takes (verl's rollout.gpu_memory_utilization default), so a
+# trainer on the same GPU keeps the rest.
+SGLANG_MEMORY_FRACTION = 0.5
 
 
 class RolloutManager:
@@ -59,7 +79,7 @@ class RolloutManager:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-manager", daemon=True)
         self._thread.start()
 
-    # -------------------------------------------------------------------------------- RolloutEngine
+    # -------------------------------------------------------------------------------- rollouts
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
         return self._run(self._generate(prompt_ids, sampling))
@@ -81,6 +101,7 @@ class RolloutManager:
         self._loop.call_soon_threadsafe(self.pool.forget, list(keys))
 
     async def release_memory_async(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang's memory tags: "kv_cache", "weights"; None: both."""
         await asyncio.wrap_future(
             self._submit(self.pool.broadcast(lambda r: r.release_memory_occupation(tags)))
         )
@@ -93,13 +114,6 @@ class RolloutManager:
     def load_weights(self, state_dict_or_model) -> None:
         """Send the policy's current weights to every replica."""
         self._run(self._load_weights(state_dict_or_model))
-
-    def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """SGLang's memory tags: "kv_cache", "weights"; None: both."""
-        self._run(self.pool.broadcast(lambda r: r.release_memory_occupation(tags)))
-
-    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        self._run(self.pool.broadcast(lambda r: r.resume_memory_occupation(tags)))
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -136,7 +150,7 @@ class RolloutManager:
             params = (
                 sampling
                 if sampling.seed is None
-                else replace(sampling, seed=sample_seed(sampling.seed, index, 0))
+                else replace(sampling, seed=derived_seed(sampling.seed, index, 0))
             )
             payload = {
                 "input_ids": list(prompt),
@@ -207,15 +221,6 @@ def _fast_tmp() -> str | None:
     return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
-def local_manager(engine, tokenizer=None, *, pad_id: int, capacity: int | None = None) -> RolloutManager:
-    """A manager over a built-in engine in this process (benchmarks and tests of the engine)."""
-    from trainer.rollout.builtin.worker import EngineWorker
-    from trainer.rollout.local import LocalReplica
-
-    replica = LocalReplica(EngineWorker(engine), tokenizer, with_text=False)
-    return RolloutManager(ReplicaPool([replica], capacity=capacity), pad_id=pad_id)
-
-
 def http_manager(
     urls: Sequence[str],
     *,
@@ -235,3 +240,74 @@ def http_manager(
     return RolloutManager(
         pool, pad_id=pad_id, config_dir=config_dir, servers=servers, weights_dir=weights_dir
     )
+
+
+def server_urls_from_env() -> list[str]:
+    return [url.strip() for url in os.environ.get(URLS_ENV, "").split(",") if url.strip()]
+
+
+def weights_dir_from_env() -> str | None:
+    return os.environ.get(WEIGHTS_DIR_ENV, "").strip() or None
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (one server is started on each)."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def build_rollout(
+    name: RolloutName,
+    *,
+    replicas: Sequence = (),
+    pad_id: int,
+    model_path: str,
+    server_urls: Sequence[str] = (),
+    gpus: Sequence[str] = (),
+    tp_size: int = 1,
+    gpu_memory_utilization: float = SGLANG_MEMORY_FRACTION,
+    seeded: bool = True,
+    weights_dir: str | None = None,
+    startup_timeout_s: float = 900.0,
+) -> RolloutManager:
+    """The run's rollout manager: over the policy ranks' colocated engines (`replicas`: hf, builtin), or
+    over SGLang servers (the given URLs, or one started per GPU group here and stopped by close()).
+    `seeded`: the loop sends sampling_seed (it always does), so started SGLang servers run with
+    --enable-deterministic-inference; servers given by URL are checked by the client instead.
+    `weights_dir`: the folder weight checkpoints for the servers are written to (created here)."""
+    if name in ("hf", "builtin"):
+        return RolloutManager(ReplicaPool(list(replicas)), pad_id=pad_id)
+    if name == "sglang":
+        from trainer.rollout.launcher import sglang_servers
+
+        servers = None
+        if not server_urls:
+            if not gpus:
+                raise ValueError(
+                    f"rollout.name=sglang needs server URLs ({URLS_ENV}) or GPUs to start servers on"
+                )
+            servers = sglang_servers(
+                model_path,
+                list(gpus),
+                tp_size=tp_size,
+                mem_fraction_static=gpu_memory_utilization,
+                deterministic_inference=seeded,
+            ).start(startup_timeout_s)
+            server_urls = servers.urls
+        if weights_dir is not None:
+            Path(weights_dir).mkdir(parents=True, exist_ok=True)  # fail now, not at the first weight sync
+        elif servers is None and any(urlsplit(url).hostname not in LOOPBACK_HOSTS for url in server_urls):
+            log.warning(
+                "rollout servers %s may be on other machines, and their weights will be written to a "
+                "temporary folder on this one; set %s to a path they share",
+                ", ".join(server_urls),
+                WEIGHTS_DIR_ENV,
+            )
+        return http_manager(
+            list(server_urls), pad_id=pad_id, config_dir=model_path, servers=servers, weights_dir=weights_dir
+        )
+    raise ValueError(f"rollout.name must be hf, builtin or sglang, not {name!r}")

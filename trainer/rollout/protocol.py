@@ -44,7 +44,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.rollout.base import Rollout, SamplingParams
@@ -379,9 +378,11 @@ def rollouts_from_outputs(prompt: list[int], prompt_index: int, outputs: list[di
     return rollouts
 
 
-class UpdateWeightsFromDiskRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # SGLang's scheduling knobs (is_async, keep_pause, ...)
+# The request models below ignore keys they do not name (pydantic's default), as SGLang's msgspec structs
+# drop them: SGLang's scheduling knobs (is_async, keep_pause, ...), torch_empty_cache, selector.
 
+
+class UpdateWeightsFromDiskRequest(BaseModel):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -390,8 +391,6 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 
 
 class UpdateWeightsFromTensorRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     serialized_named_tensors: list[str] = Field(min_length=1)
     load_format: str | None = None
     flush_cache: bool = True
@@ -405,23 +404,13 @@ class MemoryOccupationRequest(BaseModel):
     SGLang's msgspec structs drop them). constants.py GPU_MEMORY_ALL_TYPES names three tags; the
     built-in engine frees its CUDA graphs with the KV cache, so "cuda_graph" alone changes nothing."""
 
-    model_config = ConfigDict(extra="ignore")
-
     rid: str | None = None
     http_worker_ipc: str | None = None
     tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
 
 
-class UpdateWeightsResponse(BaseModel):
-    success: bool
-    message: str
-    num_paused_requests: int = 0
-
-
 class InitWeightsUpdateGroupRequest(BaseModel):
     """/init_weights_update_group (io_struct.py InitWeightsUpdateGroupReqInput)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     master_address: str
     master_port: int = Field(ge=1, le=65535)
@@ -432,15 +421,11 @@ class InitWeightsUpdateGroupRequest(BaseModel):
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     group_name: str = "weight_update_group"
 
 
 class UpdateWeightsFromDistributedRequest(BaseModel):
     """/update_weights_from_distributed: the metadata of the tensors rank 0 broadcasts next, in order."""
-
-    model_config = ConfigDict(extra="ignore")  # torch_empty_cache, selector: nothing to do here
 
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
@@ -459,8 +444,6 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
 
 
 class UpdateWeightVersionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     new_version: str
     abort_all_requests: bool = True
 
@@ -468,22 +451,9 @@ class UpdateWeightVersionRequest(BaseModel):
 class AbortRequest(BaseModel):
     """/abort_request (io_struct.py AbortReq): one rid, or abort_all."""
 
-    model_config = ConfigDict(extra="ignore")
-
     rid: str | None = ""
     abort_all: bool = False
 
 
 class PauseGenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     mode: Literal["abort", "retract", "in_place"] = "abort"
-
-
-def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A distinct, reproducible seed per sample of a seeded batch (same seed, same prompt and sample
-    index: same sample). SGLang applies one sampling_seed to all n samples of a request, which would make
-    a GRPO group n copies of one response, so a seeded prompt is sent as n requests of n=1."""
-    entropy = [seed & (2**63 - 1), prompt_index, sample_index]
-    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
-    return int(mixed >> np.uint64(1))

@@ -20,107 +20,35 @@ from __future__ import annotations
 
 from typing import Any
 
+# top_logprobs_num: 0 only, stream: false only (see protocol.py)
 GENERATE_HONOURED = frozenset(
-    {
-        "rid",
-        "text",
-        "input_ids",
-        "sampling_params",
-        "return_logprob",
-        "logprob_start_len",
-        "top_logprobs_num",  # 0 only: see protocol.py
-        "return_text_in_logprobs",
-        "return_prompt_token_ids",
-        "stream",  # false only
-    }
+    """rid text input_ids sampling_params return_logprob logprob_start_len top_logprobs_num
+    return_text_in_logprobs return_prompt_token_ids stream""".split()
 )
+# session_id "does not alter or reconstruct the prompt" (io_struct.py); routed_experts_start_len is read
+# only with return_routed_experts; one engine is DP rank 0 (a non-zero routed_dp_rank or
+# data_parallel_rank is refused in protocol.py)
 GENERATE_HINTS = frozenset(
-    {
-        "session_id",  # "does not alter or reconstruct the prompt" (io_struct.py)
-        "log_metrics",
-        "routed_experts_start_len",  # read only with return_routed_experts
-        "routed_dp_rank",  # one engine is DP rank 0 (a non-zero rank is refused in protocol.py)
-        "data_parallel_rank",
-        "disagg_prefill_dp_rank",
-        "routing_key",
-        "conversation_id",
-        "http_worker_ipc",
-        "priority",
-        "extra_key",
-        "cache_salt",
-        "no_logs",
-        "custom_labels",
-        "external_trace_header",
-        "received_time",
-        "kv_hints",
-    }
+    """session_id log_metrics routed_experts_start_len routed_dp_rank data_parallel_rank
+    disagg_prefill_dp_rank routing_key conversation_id http_worker_ipc priority extra_key cache_salt no_logs
+    custom_labels external_trace_header received_time kv_hints""".split()
 )
 GENERATE_REFUSED = frozenset(
-    {
-        "input_embeds",
-        "image_data",
-        "video_data",
-        "audio_data",
-        "mm_hashes",
-        "mm_content_hashes",
-        "use_audio_in_video",
-        "video_config",
-        "watermark",
-        "token_ids_logprob",
-        "return_sampling_mask",
-        "sampling_logprobs_mode",
-        "return_flat_raw_top_logprobs",
-        "return_flat_raw_output_top_logprobs",
-        "return_flat_raw_top_logprobs_b64",
-        "return_hidden_states",
-        "return_routed_experts",
-        "return_indexer_topk",
-        "modalities",
-        "session_params",
-        "lora_path",
-        "lora_id",
-        "custom_logit_processor",
-        "positional_embed_overrides",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "bootstrap_pair_key",
-        "decode_tp_size",
-        "background",
-        "require_reasoning",
-        "max_thinking_tokens",
-        "return_bytes",
-        "return_entropy",
-        "need_wait_for_mm_inputs",
-        "num_items_assigned",
-        "encoder_urls",
-        "max_dynamic_patch",
-        "min_dynamic_patch",
-        "image_max_dynamic_patch",
-        "video_max_dynamic_patch",
-        "images_config",
-        "mm_processor_kwargs",
-        "multi_item_delimiter_indices",
-        "token_indices_to_pool",
-    }
+    """input_embeds image_data video_data audio_data mm_hashes mm_content_hashes use_audio_in_video
+    video_config watermark token_ids_logprob return_sampling_mask sampling_logprobs_mode
+    return_flat_raw_top_logprobs return_flat_raw_output_top_logprobs return_flat_raw_top_logprobs_b64
+    return_hidden_states return_routed_experts return_indexer_topk modalities session_params lora_path
+    lora_id custom_logit_processor positional_embed_overrides bootstrap_host bootstrap_port bootstrap_room
+    bootstrap_pair_key decode_tp_size background require_reasoning max_thinking_tokens return_bytes
+    return_entropy need_wait_for_mm_inputs num_items_assigned encoder_urls max_dynamic_patch
+    min_dynamic_patch image_max_dynamic_patch video_max_dynamic_patch images_config mm_processor_kwargs
+    multi_item_delimiter_indices token_indices_to_pool""".split()
 )
 GENERATE_FIELDS = GENERATE_HONOURED | GENERATE_HINTS | GENERATE_REFUSED
 
 SAMPLING_HONOURED = frozenset(
-    {
-        "max_new_tokens",
-        "stop",
-        "stop_token_ids",
-        "temperature",
-        "top_p",
-        "top_k",
-        "n",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "no_stop_trim",
-        "sampling_seed",
-    }
+    """max_new_tokens stop stop_token_ids temperature top_p top_k n ignore_eos skip_special_tokens
+    spaces_between_special_tokens no_stop_trim sampling_seed""".split()
 )
 # stream_interval paces streaming, which is refused; custom_params feed a custom_logit_processor, refused
 SAMPLING_HINTS = frozenset({"stream_interval", "custom_params"})

@@ -17,7 +17,7 @@ from trainer.workers.logprobs import LogprobHead, batched_response_logprobs
 
 
 class Reference:
-    """A frozen policy: logprobs only, no optimizer, nothing to checkpoint beyond the initial weights."""
+    """A frozen policy: logprobs only, no optimizer, nothing to checkpoint (resume reloads the model)."""
 
     def __init__(
         self,
@@ -50,11 +50,3 @@ class Reference:
             head=self.head,
             dp=self.dp,
         ).logprobs
-
-    def state_dict(self) -> dict:
-        """For symmetry with the other workers; a loop that reloads the reference from the model path
-        at resume need not save it."""
-        return {"model": self.model.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
