@@ -316,6 +316,8 @@ def test_cpu_trainer_is_the_same_dockerfile_with_other_build_args():
 # compose project name is this run's own, so a developer's group on this machine is left alone.
 
 DOCKER_HERE = ROOT.parent / "shared" / "tools" / "docker_here.sh"
+# CI's engine start, overlay2 first and docker_here.sh's vfs engine where that fails, then docker_here.sh
+DOCKER_ENGINE = ROOT / ".ci" / "docker_engine.sh"
 COMPOSE_FILES = ["-f", "docker/compose.yaml", "-f", "docker/compose.cpu.yaml"]
 BUILT = ["data-server", "retrieval-server", TRAINER]  # reward-server runs data-server's image
 IMAGES = {
@@ -330,24 +332,25 @@ IMAGES_BUILT = pytest.StashKey[bool]()
 
 
 def start_docker() -> str | None:
-    """Start a Docker engine and compose with docker_here.sh: None once they run, else why they cannot."""
+    """Start a Docker engine and compose as CI does: None once they run, else why they cannot."""
     if not DOCKER_HERE.is_file():
         return f"{DOCKER_HERE} (which installs and starts Docker here) is not there"
     try:
-        done = subprocess.run(["bash", str(DOCKER_HERE)], capture_output=True, text=True, timeout=900)
+        done = subprocess.run(["bash", str(DOCKER_ENGINE)], capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
-        return f"{DOCKER_HERE.name} did not finish within 900 s"
+        return f"{DOCKER_ENGINE.name} did not finish within 900 s"
     if done.returncode != 0:
-        return f"{DOCKER_HERE.name} failed: {done.stderr.strip()[-500:]}"
+        return f"{DOCKER_ENGINE.name} failed: {done.stderr.strip()[-500:]}"
     return None
 
 
 def release_disk() -> None:
-    """Drop untagged images, and under the vfs storage driver the build cache too. Under vfs (CI's Docker)
-    every layer is a full copy of the image's files, and the build cache holds on to the layers of the
-    images a rebuild untagged: ~4 GB a run with a code change, which a reused machine piles up until a
-    container cannot be created (it happened to a CI run). The tagged images stay; so does the build
-    cache of a developer's copy-on-write driver, where it costs little."""
+    """Drop untagged images, and under the vfs storage driver the build cache too. Under vfs (the engine
+    .ci/docker_engine.sh falls back to where overlay mounts fail) every layer is a full copy of the image's
+    files, and the build cache holds on to the layers of the images a rebuild untagged: ~4 GB a run with a
+    code change, which a reused machine piles up until a container cannot be created (it happened to a CI
+    run). The tagged images stay; so does the build cache of a copy-on-write driver (overlay2, CI's
+    first choice), where it costs little and saves a rebuild."""
     subprocess.run(["docker", "image", "prune", "--force"], capture_output=True, timeout=600)
     driver = subprocess.run(["docker", "info", "-f", "{{.Driver}}"], capture_output=True, timeout=60)
     if driver.stdout.strip() == b"vfs":

@@ -245,7 +245,7 @@ class Group:
 
 
 def docker_ready() -> str | None:
-    """None when an engine with compose runs (started here by docker_here.sh when it is at hand)."""
+    """None when an engine with compose runs (started as CI starts it: test_compose.start_docker)."""
     why_not = start_docker()
     if why_not is None:
         return None
