@@ -37,16 +37,20 @@ checks), which is the function TRL's reward calls here: one reward rule for ever
 The clock: an arm's training time is the sum of its optimizer-step times (generation, reward, update;
 TRL between on_step_begin and on_step_end, ours timing_s/step), so model loading, saving and
 evaluation count for none. A curve point is the latest weights at or before each of --points marks
-(budget * i / points); ours saves a checkpoint every --save-every steps, so its points may lag a mark
-by up to that many steps (never in its favour). Each arm publishes a point (TASK/ARM/points.jsonl and
+(budget * i / points); ours saves a checkpoint every --save-every steps (10: ~16 s of clock at the
+recipe's ~1.6 s a step, while a save costs ~3.7 s of wall-clock outside it), so its points may lag a
+mark by up to that many steps (never in its favour). Each arm publishes a point (TASK/ARM/points.jsonl and
 its weights) as soon as it is settled; one evaluator scores the base model once and every point in
 clock order (greedy decoding with transformers' generate, the base model's tokenizer, strict accuracy
 on the test split, --eval-limit for fewer), writing TASK/evals.json as it goes.
 
 GPUs (--gpus 0,1,2,3): each arm on its own GPU at once and the evaluator on the next one, so evaluation
-costs the arms neither GPU nor clock. With fewer GPUs than arms + 1 the arms take turns on all but the
-last GPU, which evaluates; with one GPU (or none) the arms run one after the other and the evaluator
-after them. The plan is printed and kept in TASK/arms.json.
+costs the arms neither GPU nor clock. With fewer GPUs than arms + 1 the arms run in waves over every
+GPU (two arms on two GPUs: at once, which is the issue's "pair" on a 2-GPU machine, `--arms
+ours,trl-ours-lr --gpus 0,1`) and the evaluator starts on the first GPU an arm of the last wave frees,
+scoring what is published while the others finish (a trained point takes ~5-20 s on synthetic-arith);
+with one GPU (or none) the arms run one after the other, then the evaluator. The plan is printed and
+kept in TASK/arms.json.
 
 Stages:
   prepare   the model folder (base/) and the task's data (train/test parquet, prompts that fit)
@@ -935,27 +939,31 @@ class Plan:
     """Which GPU each arm gets (arms in one wave run at once) and where the evaluator runs."""
 
     waves: tuple[tuple[tuple[str, str | None], ...], ...]
-    evaluator_gpu: str | None
-    evaluator_alongside: bool  # False: it runs after the arms (no GPU to spare for it)
+    evaluator_gpu: str | None  # alongside: its own GPU; else the GPU the last wave frees first
+    evaluator_alongside: bool  # False: no GPU to spare, it starts when the last wave's first arm ends
 
     def describe(self) -> str:
         def on(gpu: str | None) -> str:
             return "" if gpu is None else f" on GPU {gpu}"
 
         waves = " then ".join(", ".join(f"{arm}{on(gpu)}" for arm, gpu in wave) for wave in self.waves)
-        when = "alongside" if self.evaluator_alongside else "after the arms"
-        return f"{waves}; evaluator {when}{on(self.evaluator_gpu)}"
+        if self.evaluator_alongside:
+            return f"{waves}; evaluator alongside{on(self.evaluator_gpu)}"
+        if len(self.waves[-1]) > 1:
+            return f"{waves}; evaluator after, on the GPU the last arms free first"
+        return f"{waves}; evaluator after the arms{on(self.waves[-1][0][1])}"
 
 
 def gpu_plan(gpus: list[str], arms: list[str]) -> Plan:
-    """One GPU per arm and one for the evaluator where there are enough; else the arms take turns on all
-    GPUs but the last, which evaluates; with one GPU (or none) the evaluator runs after the arms."""
-    if len(gpus) >= 2:
-        arm_gpus: list[str | None] = list(gpus[: min(len(arms), len(gpus) - 1)])
-        evaluator_gpu, alongside = gpus[len(arm_gpus)], True
+    """One GPU per arm and one for the evaluator where there are enough. Else the arms run in waves over
+    every GPU (two arms on two GPUs: at once) and the evaluator follows on the first GPU an arm of the
+    last wave frees, scoring the points already published while the other arms finish; with one GPU (or
+    none) the arms run one after the other, then the evaluator."""
+    if len(gpus) > len(arms):
+        arm_gpus: list[str | None] = list(gpus[: len(arms)])
+        evaluator_gpu, alongside = gpus[len(arms)], True
     else:
-        arm_gpus = list(gpus) or [None]
-        evaluator_gpu, alongside = arm_gpus[0], False
+        arm_gpus, evaluator_gpu, alongside = list(gpus) or [None], None, False
     width = len(arm_gpus)
     waves = tuple(tuple(zip(arms[i : i + width], arm_gpus)) for i in range(0, len(arms), width))
     return Plan(waves, evaluator_gpu, alongside)
@@ -1016,17 +1024,20 @@ def run_arms(ctx: argparse.Namespace) -> dict[str, int]:
         if plan.evaluator_alongside:
             evaluator = spawn(ctx, ["evaluate", "--follow"], plan.evaluator_gpu, logs / "evaluator.log")
             children.append(evaluator)
-        for wave in plan.waves:
-            procs = {arm: spawn(ctx, [arm], gpu, logs / f"{arm}.log") for arm, gpu in wave}
-            children += procs.values()
-            for arm, proc in procs.items():
-                codes[arm] = proc.wait()
-                if not (task_dir / arm / "exit.json").exists():  # killed before it could say so
-                    write_json(task_dir / arm / "exit.json", {"code": codes[arm], "at": utc_now()})
-                print(f"{ctx.task}: {arm} ended (exit {codes[arm]})", flush=True)
-        if evaluator is None:
-            evaluator = spawn(ctx, ["evaluate"], plan.evaluator_gpu, logs / "evaluator.log")
-            children.append(evaluator)
+        for number, wave in enumerate(plan.waves, 1):
+            gpus = dict(wave)
+            running = {arm: spawn(ctx, [arm], gpu, logs / f"{arm}.log") for arm, gpu in wave}
+            children += running.values()
+            while running:
+                time.sleep(0.5)
+                for arm in [arm for arm, proc in running.items() if proc.poll() is not None]:
+                    codes[arm] = running.pop(arm).returncode
+                    if not (task_dir / arm / "exit.json").exists():  # killed before it could say so
+                        write_json(task_dir / arm / "exit.json", {"code": codes[arm], "at": utc_now()})
+                    print(f"{ctx.task}: {arm} ended (exit {codes[arm]})", flush=True)
+                    if evaluator is None and number == len(plan.waves):  # its GPU is free now
+                        evaluator = spawn(ctx, ["evaluate", "--follow"], gpus[arm], logs / "evaluator.log")
+                        children.append(evaluator)
         codes["evaluator"] = evaluator.wait()
     finally:  # interrupted or terminated: the arms (and their trainers, see train_ours) go too
         for proc in children:
@@ -1433,7 +1444,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--points", type=int, default=None, help="Curve points per arm (gsm8k 4, synthetic-arith 6)."
     )
-    parser.add_argument("--save-every", type=int, default=5, help="Our trainer's checkpoint interval.")
+    parser.add_argument("--save-every", type=int, default=10, help="Our trainer's checkpoint interval.")
     parser.add_argument("--eval-limit", type=int, default=None, help="Test problems (default: all).")
     parser.add_argument("--eval-batch", type=int, default=448, help="Prompts per evaluation batch.")
     parser.add_argument("--gpus", default=None, help="e.g. 0,1,2,3: an arm on each, then the evaluator.")

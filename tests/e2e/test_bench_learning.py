@@ -45,15 +45,24 @@ def test_trl_batching_matches_the_recipe():
     recipe = learning.load_recipe(learning.RECIPE, [])
     s = learning.shared_settings(recipe)
     # recipe: 64 prompts x n=8 = 512 completions a step, mini-batches of 32 prompts (256 completions)
-    # in micro-batches of 64 -> 4 accumulation steps per optimizer step, 8 micro-batches per generation.
-    assert (s.prompts_per_step, s.n, s.mini_batch_prompts, s.micro_batch) == (64, 8, 32, 64)
+    # in one micro-batch of 256 -> no accumulation, 2 micro-batches (optimizer steps) per generation.
+    assert (s.prompts_per_step, s.n, s.mini_batch_prompts, s.micro_batch) == (64, 8, 32, 256)
     assert learning.trl_batching(s) == {
-        "per_device_train_batch_size": 64,
-        "gradient_accumulation_steps": 4,
-        "steps_per_generation": 8,
+        "per_device_train_batch_size": 256,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 2,
         "num_generations": 8,
     }
-    odd = learning.shared_settings(learning.load_recipe(learning.RECIPE, ["data.train_batch_size=36"]))
+    sixty_four = learning.shared_settings(
+        learning.load_recipe(learning.RECIPE, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64"])
+    )
+    assert learning.trl_batching(sixty_four)["gradient_accumulation_steps"] == 4
+    odd = learning.shared_settings(
+        learning.load_recipe(
+            learning.RECIPE,
+            ["data.train_batch_size=36", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64"],
+        )
+    )
     with pytest.raises(ValueError, match="micro-batch"):
         learning.trl_batching(odd)  # 36 * 8 = 288 completions do not split into micro-batches of 64
 
@@ -91,15 +100,22 @@ def test_gpu_plan_gives_the_evaluator_its_own_gpu_when_it_can():
     assert (four.evaluator_gpu, four.evaluator_alongside) == ("3", True)
     eight = learning.gpu_plan([str(i) for i in range(8)], arms)
     assert eight.waves == four.waves and eight.evaluator_gpu == "3"  # the rest stay free
-    two = learning.gpu_plan(["0", "1"], arms)  # the arms take turns; GPU 1 evaluates meanwhile
-    assert two.waves == ((("ours", "0"),), (("trl", "0"),), (("trl-ours-lr", "0"),))
-    assert (two.evaluator_gpu, two.evaluator_alongside) == ("1", True)
-    three = learning.gpu_plan(["4", "5", "6"], arms)
-    assert three.waves == ((("ours", "4"), ("trl", "5")), (("trl-ours-lr", "4"),))
-    assert three.evaluator_gpu == "6"
+    two = learning.gpu_plan(["0", "1"], arms)  # waves over both GPUs; the evaluator follows
+    assert two.waves == ((("ours", "0"), ("trl", "1")), (("trl-ours-lr", "0"),))
+    assert not two.evaluator_alongside
+    assert (
+        two.describe()
+        == "ours on GPU 0, trl on GPU 1 then trl-ours-lr on GPU 0; evaluator after the arms on GPU 0"
+    )
+    pair = learning.gpu_plan(["0", "1"], ["ours", "trl-ours-lr"])  # the pair on two GPUs: at once
+    assert pair.waves == ((("ours", "0"), ("trl-ours-lr", "1")),)
+    assert pair.describe().endswith("evaluator after, on the GPU the last arms free first")
+    three = learning.gpu_plan(["4", "5", "6"], arms)  # as many GPUs as arms: all at once
+    assert three.waves == ((("ours", "4"), ("trl", "5"), ("trl-ours-lr", "6")),)
+    assert (three.evaluator_gpu, three.evaluator_alongside) == (None, False)
     one = learning.gpu_plan(["0"], ["ours", "trl"])  # no GPU to spare: evaluation after the arms
     assert one.waves == ((("ours", "0"),), (("trl", "0"),))
-    assert (one.evaluator_gpu, one.evaluator_alongside) == ("0", False)
+    assert not one.evaluator_alongside
     assert learning.gpu_plan([], ["ours"]).describe() == "ours; evaluator after the arms"
 
 
