@@ -310,7 +310,8 @@ def trainable_groups(
 @asynccontextmanager
 async def rollout_phase(run: Run):
     """The colocated engines hold their KV caches only while rollouts are generated: the log-prob and
-    update passes after it have that memory back (SGLang's release / resume of the "kv_cache" tag)."""
+    update passes after it have that memory back (SGLang's release / resume of the "kv_cache" tag).
+    With rollout.free_cache_engine=false they keep them from the first phase on (resume is then a no-op)."""
     if not run.colocated:
         yield
         return
@@ -318,7 +319,8 @@ async def rollout_phase(run: Run):
     try:
         yield
     finally:
-        await run.rollout.release_memory_async(KV_CACHE)
+        if run.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            await run.rollout.release_memory_async(KV_CACHE)
 
 
 async def generate_groups(

@@ -123,6 +123,47 @@ def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_bucke
         manager.close()
 
 
+@pytest.mark.parametrize("free", [True, False])
+def test_the_fit_loop_frees_the_kv_cache_after_each_rollout_phase_only_when_asked(free):
+    """rollout.free_cache_engine (verl's key): true releases the cache (and graphs) after every rollout
+    phase; false keeps the one allocated in the first phase, so later phases allocate nothing."""
+    from types import SimpleNamespace
+
+    from trainer.loop import rollout_phase
+
+    model, tok = varied_model("qwen2", seed=3)
+    replica = colocated_replica(
+        EngineSettings(name="builtin", context_length=96),
+        model,
+        tok,
+        device=torch.device("cpu"),
+        model_path="unused by builtin",
+        trust_remote_code=False,
+        name="rank 0",
+    )
+    manager = RolloutManager(ReplicaPool([replica]), pad_id=0)
+    inner = replica.engine
+    cfg = load_config([f"actor_rollout_ref.rollout.free_cache_engine={str(free).lower()}"])
+    run = SimpleNamespace(colocated=True, rollout=manager, cfg=cfg)  # the three fields rollout_phase reads
+
+    async def two_phases() -> list:
+        caches = []
+        for _ in range(2):
+            async with rollout_phase(run):
+                caches.append(inner.cache)
+        return caches
+
+    try:
+        first, second = asyncio.run(two_phases())
+        assert first is not None and second is not None  # held during each phase either way
+        if free:
+            assert inner.released == {"kv_cache"} and inner.cache is None and second is not first
+        else:
+            assert not inner.released and inner.cache is first and second is first
+    finally:
+        manager.close()
+
+
 @pytest.mark.parametrize(
     ("name", "device", "engine"),
     [

@@ -68,7 +68,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "actor_rollout_ref.rollout",
             """
-            mode dtype enforce_eager free_cache_engine
+            mode dtype enforce_eager
             load_format max_num_batched_tokens max_model_len max_num_seqs enable_chunked_prefill
             disable_log_stats calculate_log_probs layered_summon update_weights_bucket_megabytes
             over_sample_rate multi_stage_wake_up ignore_eos engine_kwargs

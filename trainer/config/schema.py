@@ -363,6 +363,12 @@ class RolloutConfig(Section):
         "GPU's memory (and no more than is free when it generates); the KV cache exists only while it "
         "generates. sglang servers started here: their --mem-fraction-static.",
     )
+    free_cache_engine: bool = Field(
+        True,
+        description="Colocated engines: free the KV cache (and the built-in engine's CUDA graphs) after "
+        "each rollout phase, so the log-prob and update passes have that memory. false: keep them between "
+        "steps (no re-allocation or graph capture a step; the update gets less memory).",
+    )
     tensor_model_parallel_size: int = Field(
         1, ge=1, description="Engine tensor parallel size; must divide the GPU count (as verl checks)."
     )

@@ -12,8 +12,8 @@ and `load_weights_now(named tensors)`, which the rank's weight sync calls tensor
 Memory: the built-in engine's KV cache is allocated only between the driver's resume_memory and
 release_memory around each rollout phase (SGLang's memory tags), sized from
 rollout.gpu_memory_utilization and what is free then (trainer/rollout/builtin/memory.py), so the
-old-logprob, reference and update passes have that memory. The weights stay on the GPU: the sync after
-each update copies into them in place.
+old-logprob, reference and update passes have that memory (rollout.free_cache_engine=false keeps it from
+the first phase on). The weights stay on the GPU: the sync after each update copies into them in place.
 """
 
 from __future__ import annotations
