@@ -173,6 +173,38 @@ def document_limits(schemas: dict, settings: CodeExecutorSettings, languages: li
     schemas["RunBatchRequest"]["properties"]["runs"]["maxItems"] = settings.max_batch_runs
 
 
+def health_info(executor: Executor) -> dict:
+    """What /health adds for this service: its languages, workers and how runs are isolated."""
+    return {
+        "languages": sorted(executor.languages),
+        "workers": executor.pool.size,
+        "bwrap": executor.sandbox.bwrap,
+        "isolation": "bubblewrap: user, pid, mount, net, ipc, uts, cgroup namespaces; seccomp (no SysV "
+        "shm, no memfd, native ABI only); rlimits per process; memory and CPU time per run (summed "
+        "from /proc)",
+        "uids": (
+            "one per worker (the service is root)"
+            if executor.pool.uids[0] is not None
+            else "shared (--shared-uid): a fork bomb in one run can stop the others from starting"
+        ),
+    }
+
+
+def with_limits_documented(app: FastAPI, settings: CodeExecutorSettings, languages) -> None:
+    """The app's OpenAPI document states the configured limits, and the languages (`languages()`, None
+    before the executor is built) as they were when the document was first asked for."""
+    service_openapi = app.openapi
+
+    def openapi() -> dict:
+        first = app.openapi_schema is None
+        document = service_openapi()
+        if first:
+            document_limits(document["components"]["schemas"], settings, languages())
+        return document
+
+    app.openapi = openapi
+
+
 def create_app(settings: CodeExecutorSettings | None = None, executor: Executor | None = None) -> FastAPI:
     """The app; `executor`, when given, is one already built (and probed) for these settings."""
     settings = settings or CodeExecutorSettings()
@@ -187,32 +219,12 @@ def create_app(settings: CodeExecutorSettings | None = None, executor: Executor 
             if pool.queued >= pool.max_queued
             else None
         )
-        app.state.health_info = {
-            "languages": sorted(executor.languages),
-            "workers": pool.size,
-            "bwrap": executor.sandbox.bwrap,
-            "isolation": "bubblewrap: user, pid, mount, net, ipc, uts, cgroup namespaces; seccomp (no SysV "
-            "shm, no memfd, native ABI only); rlimits per process; memory and CPU time per run (summed "
-            "from /proc)",
-            "uids": (
-                "one per worker (the service is root)"
-                if pool.uids[0] is not None
-                else "shared (--shared-uid): a fork bomb in one run can stop the others from starting"
-            ),
-        }
+        app.state.health_info = health_info(executor)
 
     app = create_service_app("code-executor", settings, load=load, description=__doc__ or "")
-    service_openapi = app.openapi
-
-    def openapi() -> dict:
-        first = app.openapi_schema is None
-        document = service_openapi()
-        if first:
-            languages = sorted(executor.languages) if executor is not None else None
-            document_limits(document["components"]["schemas"], settings, languages)
-        return document
-
-    app.openapi = openapi
+    with_limits_documented(
+        app, settings, lambda: sorted(executor.languages) if executor is not None else None
+    )
     metrics = RunMetrics(app.state.metrics.registry, app)
 
     async def get_executor(state=Depends(require_ready)) -> Executor:
