@@ -76,6 +76,10 @@ made back to back so that it stays warm (/tmp and runs/ outlive a call while it 
 (the GPU machine has no matplotlib). Three arms of 900 s of training clock take ~20 minutes of wall-clock
 (loading, checkpoints, the last points' scoring): one task per ~30-minute session on 4 GPUs. On 8 GPUs
 (nvidia-h100-x8), `start` both tasks in call 2, the second with --task synthetic-arith --gpus 4,5,6,7.
+On 2 GPUs (nvidia-h200-x2), a task's pair in call 2: `--arms ours,trl-ours-lr --gpus 0,1` (the two arms
+at once, the evaluator after on the GPU freed first; ~23 minutes). synthetic-arith's `--difficulty
+auto` probe takes several minutes before the arms start; it chose `easy` in every run so far, which
+`--difficulty easy` takes at once (TASK/probe.json of those runs is in BENCHMARKS.md).
 """
 
 from __future__ import annotations
