@@ -943,7 +943,7 @@ class Plan:
     """Which GPU each arm gets (arms in one wave run at once) and where the evaluator runs."""
 
     waves: tuple[tuple[tuple[str, str | None], ...], ...]
-    evaluator_gpu: str | None  # alongside: its own GPU; else the GPU the last wave frees first
+    evaluator_gpu: str | None  # alongside: its own GPU; None: the GPU an arm of the last wave frees first
     evaluator_alongside: bool  # False: no GPU to spare, it starts when the last wave's first arm ends
 
     def describe(self) -> str:
