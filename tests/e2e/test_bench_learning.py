@@ -310,3 +310,12 @@ def test_step_vs_trl_smoke_end_to_end(tmp_path, gsm8k_fixture):
         assert summary[arm]["mean_tokens"] > 2 * 2 * 8
         assert summary[arm]["tokens_per_s_per_gpu"] > 0
     assert summary["ours_over_trl"] > 0
+
+
+def test_arm_ab_variants_name_a_tree_and_its_overrides(tmp_path):
+    arm_ab = load_bench("arm_ab")
+    name, tree, overrides = arm_ab.parse_variant(f"kv={ROOT}:a.b=false:c.d=3")
+    assert (name, tree, overrides) == ("kv", ROOT, ["a.b=false", "c.d=3"])
+    for bad in (f"={ROOT}", f"x={tmp_path}", "x"):  # no name; a folder without bench/learning.py
+        with pytest.raises(SystemExit, match="NAME=TREE"):
+            arm_ab.parse_variant(bad)
