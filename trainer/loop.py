@@ -87,6 +87,11 @@ class TrainingAborted(RuntimeError):
     """The run stopped on an error it cannot retry past; the message names the last usable checkpoint."""
 
 
+# Sampling seeds: derived_seed(trainer.seed, step, round, PURPOSE), one per step and generation round,
+# and validation's apart from training's (SeedSequence takes no negative round to mark it)
+TRAINING, VALIDATION = 0, 1
+
+
 def fit(cfg: Config) -> dict[str, float]:
     """Train as configured; returns the last step's metrics (validation included)."""
     return asyncio.run(_fit(cfg))
@@ -249,9 +254,8 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
                     "(algorithm.filter_groups.max_num_gen_batches)"
                     + (f"; {dropped} groups were dropped for a failed tool call" if dropped else "")
                 )
-            # one seed per step and round; the last index is 1 for validation's (SeedSequence takes no sign)
             sampling = dataclasses.replace(
-                run.sampling, seed=derived_seed(run.cfg.trainer.seed, step, rounds, 0)
+                run.sampling, seed=derived_seed(run.cfg.trainer.seed, step, rounds, TRAINING)
             )
             prompts = (await run.source.next_batch(plan.prompts_per_round)).prompts
             groups, tools = await generate_groups(run, prompts, sampling, timings)
@@ -513,7 +517,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     rewards: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
     dropped, errors, scored, first_error = 0, 0, 0, None
-    sampling = dataclasses.replace(run.val_sampling, seed=derived_seed(cfg.trainer.seed, step, 0, 1))
+    sampling = dataclasses.replace(run.val_sampling, seed=derived_seed(cfg.trainer.seed, step, 0, VALIDATION))
     async with rollout_phase(run):
         async for batch in run.source.validation_batches(cfg.data.val_batch_size):
             groups, _ = await generate_groups(run, batch.prompts, sampling, {})
