@@ -41,9 +41,7 @@ def run_once(tree: Path, overrides: list[str], args: argparse.Namespace, log: Pa
     command += ["--out", str(args.out), "--budget-s", str(args.budget_s), "--save-every", "1000000"]
     for override in overrides:
         command += ["--set", override]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
-    )
+    env = dict(os.environ)  # learning.py puts its own tree first on the path, for it and its trainer
     if args.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = args.gpu
     with log.open("w") as handle:

@@ -82,9 +82,9 @@ def test_slot_bytes_and_the_slot_count_follow_the_budget():
         kv_slots(QWEN_05B, memory=free, utilization=1.5, cap=512, **common)
 
 
-def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_buckets():
-    model, tok = varied_model("qwen2", seed=3)
-    replica = colocated_replica(
+def cpu_builtin_replica(model, tok):
+    """A policy rank's built-in engine on the CPU, as colocated_replica builds it."""
+    return colocated_replica(
         EngineSettings(name="builtin", context_length=96),
         model,
         tok,
@@ -93,6 +93,11 @@ def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_bucke
         trust_remote_code=False,
         name="rank 0",
     )
+
+
+def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_buckets():
+    model, tok = varied_model("qwen2", seed=3)
+    replica = cpu_builtin_replica(model, tok)
     manager = RolloutManager(ReplicaPool([replica]), pad_id=0)
     inner = replica.engine  # the BuiltinEngine behind the replica
     try:
@@ -132,15 +137,7 @@ def test_the_fit_loop_frees_the_kv_cache_after_each_rollout_phase_only_when_aske
     from trainer.loop import rollout_phase
 
     model, tok = varied_model("qwen2", seed=3)
-    replica = colocated_replica(
-        EngineSettings(name="builtin", context_length=96),
-        model,
-        tok,
-        device=torch.device("cpu"),
-        model_path="unused by builtin",
-        trust_remote_code=False,
-        name="rank 0",
-    )
+    replica = cpu_builtin_replica(model, tok)
     manager = RolloutManager(ReplicaPool([replica]), pad_id=0)
     inner = replica.engine
     cfg = load_config([f"actor_rollout_ref.rollout.free_cache_engine={str(free).lower()}"])
