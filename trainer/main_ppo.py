@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, checks, load_config
 
 USAGE = """\
 usage: python -m trainer.main_ppo [--config FILE.yaml ...] [--dry-run] key=value ...
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print("(python -m trainer.main_ppo --help for usage)", file=sys.stderr)
         return 2
     print(config.resolved_yaml(), end="", flush=True)
-    for notice in config.notices():
+    for notice in checks.notices(config):
         print(notice, flush=True)
     if dry_run:
         return 0

@@ -203,7 +203,7 @@ def test_without_a_file_the_search_tool_serves_services_retrieval_url():
 
 
 def test_tool_failure_policy_is_a_config_key():
-    from trainer.config import ConfigError, load_config
+    from trainer.config import ConfigError, checks, load_config
 
     key = "actor_rollout_ref.rollout.multi_turn"
     default = load_config([])
@@ -215,7 +215,8 @@ def test_tool_failure_policy_is_a_config_key():
     with pytest.raises(ConfigError, match="tool_failure_retries"):
         load_config([f"{key}.tool_failure=retry", f"{key}.tool_failure_retries=0"])
     unused = load_config([f"{key}.enable=true", f"{key}.tool_failure=text", f"{key}.tool_failure_retries=5"])
-    assert any("tool_failure_retries=5 (tool_failure=text, not retry)" in line for line in unused.notices())
+    said = checks.notices(unused)
+    assert any("tool_failure_retries=5 (tool_failure=text, not retry)" in line for line in said)
 
 
 # ------------------------------------------------------------------------------------------ bad files

@@ -226,7 +226,7 @@ def test_tool_clock_counts_overlapping_calls_once():
 
 
 def test_config_turns_multi_turn_on_with_the_built_in_engine():
-    from trainer.config import load_config
+    from trainer.config import checks, load_config
 
     tool_config = ROOT / "jobgroup" / "tools" / "search_tool_config.yaml"
     cfg = load_config(
@@ -248,7 +248,7 @@ def test_config_turns_multi_turn_on_with_the_built_in_engine():
         500,
     )
     assert cfg.actor_rollout_ref.rollout.engine == "builtin"  # the async, continuously batching engine
-    notices = "\n".join(cfg.notices())
+    notices = "\n".join(checks.notices(cfg))
     assert "rate_limit" in notices and "use_inference_chat_template" in notices
     assert "multi-turn tool calls run on the builtin engine" in notices  # rollout.name=hf was asked for
     single = load_config([])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.trainer.test_rollout_engine import encode, varied_model
-from trainer.config import load_config
+from trainer.config import checks, load_config
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.builtin.memory import DeviceMemory, kv_slots, reserve_bytes, slot_bytes
 from trainer.rollout.builtin.model import ModelShape
@@ -175,7 +175,7 @@ def test_the_fit_loop_frees_the_kv_cache_after_each_rollout_phase_only_when_aske
 def test_which_engine_generates(name, device, engine):
     config = load_config([f"actor_rollout_ref.rollout.name={name}", f"trainer.device={device}"], check=False)
     assert config.actor_rollout_ref.rollout.engine == engine
-    notices = [line for line in config.notices() if line.startswith("rollout: ")]
+    notices = [line for line in checks.notices(config) if line.startswith("rollout: ")]
     if name == "vllm":
         kind = {"hf": "transformers generate", "builtin": "the fast engine, colocated"}[engine]
         assert notices == [

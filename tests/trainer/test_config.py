@@ -16,6 +16,7 @@ from tests.helpers import ROOT
 from trainer.config import (
     Config,
     ConfigError,
+    checks,
     config_keys,
     config_reference_markdown,
     load_config,
@@ -208,7 +209,7 @@ def test_seed_commands_parse_as_written(home, command):
     assert config.data.train_files == [str(home / "data/gsm8k/train.parquet")]
     assert config.data.source == "files"
     assert config.actor_rollout_ref.rollout.name == "vllm" and config.actor_rollout_ref.rollout.engine == "hf"
-    assert config.problems() == []
+    assert checks.problems(config) == []
     # 8 GPUs train through Ray role groups; one GPU stays one process
     assert config.uses_ray == (command is GRPO_QWEN3)
 
@@ -221,7 +222,8 @@ def test_qwen3_quickstart_is_accepted_as_written(home, monkeypatch):
     assert arr.actor.ppo_micro_batch_size_per_gpu == 20  # 80 x 3 = 240 sequences per GPU, 12 micro-batches
     assert config.reward_model.mode == "local"  # verl's default: scored in-process, no reward-server
     assert arr.rollout.name == "vllm" and arr.rollout.engine == "hf"
-    assert config.notices()[0].startswith("rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet")
+    said = checks.notices(config)
+    assert said[0].startswith("rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet")
 
 
 def test_ppo_quickstart_small(home):
@@ -267,7 +269,7 @@ def test_grpo_qwen3_small(home):
     assert arr.model.use_remove_padding and arr.ref.fsdp_config.param_offload
     assert not arr.actor.fsdp_config.param_offload and config.critic.model.use_remove_padding  # the policy's
     # the offload acts on one GPU too (its one rank is sharded by FSDP2 like any other): no notice
-    assert config.notices() == [
+    assert checks.notices(config) == [
         "rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet; the built-in engine (hf: "
         "transformers generate) generates instead",
     ]
@@ -482,7 +484,7 @@ def test_batch_size_divisibility(overrides, needle):
     ],
 )  # fmt: skip
 def test_what_verl_accepts_is_accepted(overrides):
-    assert load_config(overrides).problems() == []
+    assert checks.problems(load_config(overrides)) == []
 
 
 def test_every_problem_is_reported_at_once():
@@ -508,7 +510,7 @@ def test_derived_values_follow_verl():
         ],
         check=False,
     )
-    assert config.problems() == []
+    assert checks.problems(config) == []
     actor = config.actor_rollout_ref.actor
     assert actor.ppo_micro_batch_size_per_gpu == 2 and actor.ppo_micro_batch_size is None  # 4 global / 2 GPUs
     assert actor.clip_ratio_low == 0.25 and actor.clip_ratio_high == 0.28  # DAPO clip-higher
@@ -522,7 +524,7 @@ def test_derived_values_follow_verl():
     assert config.critic.enable is False  # no critic for grpo
     # the printed config round-trips to the same config
     again = Config.model_validate(config.model_dump())
-    assert again == config and again.problems() == config.problems()
+    assert again == config and checks.problems(again) == checks.problems(config)
 
 
 def test_yaml_file_then_overrides(tmp_path):
@@ -815,4 +817,4 @@ def test_batch_size_problems_never_blame_a_critic_the_user_did_not_ask_for():
     ), caught.value.problems
     # GRPO ignores critic keys: no critic, nothing to check
     grpo = ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", "critic.ppo_mini_batch_size=16"]
-    assert load_config([*grpo, "actor_rollout_ref.actor.ppo_mini_batch_size=8"]).problems() == []
+    assert checks.problems(load_config([*grpo, "actor_rollout_ref.actor.ppo_mini_batch_size=8"])) == []

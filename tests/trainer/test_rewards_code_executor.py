@@ -74,6 +74,7 @@ def test_verls_sandbox_fusion_url_key_takes_effect_and_its_bounds_are_accepted()
 )
 def test_sandbox_fusion_url_where_it_has_no_effect_says_so(scored_by, notice, tmp_path):
     """Only the in-process scorer runs code rows on sandbox_fusion.url; elsewhere the key is named."""
+    from trainer.config import checks
     from trainer.config.cli import load_config
 
     reward = tmp_path / "my_reward.py"
@@ -82,5 +83,5 @@ def test_sandbox_fusion_url_where_it_has_no_effect_says_so(scored_by, notice, tm
     )
     args = [arg.replace("REWARD", str(reward)) for arg in scored_by]
     cfg = load_config(["reward_model.sandbox_fusion.url=http://code:8003/run_code", *args])
-    said = [line for line in cfg.notices() if "sandbox_fusion.url" in line]
+    said = [line for line in checks.notices(cfg) if "sandbox_fusion.url" in line]
     assert said == [] if notice is None else len(said) == 1 and notice in said[0]

@@ -8,10 +8,8 @@ accept the rest, as verl does. `problems` returns one line per problem, each nam
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trainer.config.run import Config
+from trainer.config.run import Config
 
 GPUS = "trainer.nnodes * trainer.n_gpus_per_node"
 ENGINE_KINDS = {"hf": "transformers generate", "builtin": "the fast engine, colocated"}

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from trainer.config import keys
+from trainer.config import checks, derive, keys
 from trainer.config.accepted import is_no_effect, pop_no_effect
 from trainer.config.run import Config
 
@@ -190,10 +190,7 @@ def _validation_messages(exc: ValidationError) -> list[str]:
 
 def defaults_tree() -> dict:
     """Every default as a plain tree, `null: <rule>` values still null: what `${...}` can point at."""
-    raw = Config.model_construct(
-        **{name: field.get_default(call_default_factory=True) for name, field in Config.model_fields.items()}
-    )
-    return raw.model_dump(mode="json")
+    return Config().model_dump(mode="json")  # derive.fill_derived has not run on it
 
 
 def overlay(base: dict, extra: dict) -> dict:
@@ -236,11 +233,15 @@ def load_config(argv: list[str], *, check: bool = True) -> Config:
     keys.nulls_from_none_text(resolved)
     try:
         config = Config.model_validate(resolved)
+        conflicts = derive.deprecated_conflicts(config)  # before derive fills the current key of a pair
+        derive.fill_derived(config)
     except ValidationError as exc:
         raise ConfigError(problems + _validation_messages(exc)) from None
+    except ValueError as exc:  # a derived value that cannot be had (a `${...}` naming no key)
+        raise ConfigError([*problems, str(exc)]) from None
     config._no_effect = sorted(set(no_effect))
     if check:
-        problems += config.problems()
+        problems += conflicts + checks.problems(config)
     if problems:
         raise ConfigError(problems)
     return config

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from trainer.config.run import Config
-    from trainer.config.schema import Section
+from trainer.config.run import Config
+from trainer.config.schema import Section
 
 # What generates for each rollout.name (trainer/rollout/manager.py `build_rollout` builds it). auto (and
 # vllm, which is not wired in yet: trainer/config/checks.py says so at start) pick the fast built-in engine
@@ -120,7 +119,7 @@ def needs_old_logprobs(config: Config) -> bool:
 
 
 def fill_derived(config: Config) -> None:
-    """Fill every derived value in place (the Config validator calls this once)."""
+    """Fill every derived value in place, once, after validation (trainer/config/cli.py `load_config`)."""
     data, arr, critic = config.data, config.actor_rollout_ref, config.critic
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
     world, n = config.world_size, rollout.n
@@ -234,8 +233,7 @@ def deprecated_conflicts(config: Config) -> list[str]:
 def resolve_references(config: Config) -> None:
     """Resolve `${...}` left in text values (the checkpoint folder's default) with OmegaConf.
 
-    load_config resolves the user's references before validation; this covers a Config built directly
-    (`Config()`, `Config.model_validate(...)`), whose defaults still hold references.
+    load_config resolves the user's references before validation; the defaults' own are resolved here.
     """
     holders = list(_text_with_references(config, ""))
     if not holders:

@@ -89,10 +89,7 @@ def _no_effect_paragraph() -> list[str]:
 
 def config_reference_markdown() -> str:
     """The reference: key, type, default and description, one table per top-level section."""
-    # Built without the derivation validator, so "null: <rule>" defaults show as null.
-    raw = Config.model_construct(
-        **{name: field.get_default(call_default_factory=True) for name, field in Config.model_fields.items()}
-    )
+    raw = Config()  # not derived (trainer/config/derive.py): "null: <rule>" defaults show as null
     lines = [HEADER]
     for name, field in Config.model_fields.items():
         lines += [

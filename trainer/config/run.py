@@ -9,9 +9,8 @@ import os
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator
 
-from trainer.config import checks, derive
 from trainer.config.schema import (
     SECRET_KEYS,
     ActorRolloutRefConfig,
@@ -174,8 +173,6 @@ class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL algorithm.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Run control.")
     services: ServicesConfig = Field(default_factory=ServicesConfig, description="Our HTTP services.")
-    # Deprecated/current key pairs both given by the user, noticed before derive sets the current one.
-    _conflicts: list[str] = PrivateAttr(default_factory=list)
     # verl keys the user set that change nothing here (trainer/config/accepted.py), for the start notice.
     _no_effect: list[str] = PrivateAttr(default_factory=list)
 
@@ -208,12 +205,6 @@ class Config(Section):
     def no_effect_keys(self) -> list[str]:
         return list(self._no_effect)
 
-    @model_validator(mode="after")
-    def _fill_derived(self) -> Config:
-        self._conflicts = derive.deprecated_conflicts(self)
-        derive.fill_derived(self)
-        return self
-
     def to_dict(self, *, mask_secrets: bool = True) -> dict[str, Any]:
         tree = self.model_dump(mode="json")
         if mask_secrets:
@@ -226,11 +217,3 @@ class Config(Section):
     def resolved_yaml(self) -> str:
         """The resolved configuration as YAML (secrets masked): what the run will actually use."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
-
-    def problems(self) -> list[str]:
-        """Everything that stops this configuration from running (empty when it is fine)."""
-        return [*self._conflicts, *checks.problems(self)]
-
-    def notices(self) -> list[str]:
-        """What the user should read once at start: substitutions and keys accepted with no effect."""
-        return checks.notices(self)
