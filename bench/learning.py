@@ -1390,7 +1390,10 @@ def plot(path: Path, all_results: dict[str, dict]) -> None:
             xlabel="training seconds", ylabel="test strict accuracy (%, greedy)", xlim=(0, budget_s or None)
         )
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{task} ({results['base']['n']} test problems), {', '.join(devices)}", fontsize=10)
+        # each panel's own run: the panels of one figure may come from runs of different days
+        started = (results.get("run") or {}).get("started_at", "")[:16]
+        title = f"{task} ({results['base']['n']} test problems), {', '.join(devices)}"
+        ax.set_title(f"{title}, {started} UTC" if started else title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
