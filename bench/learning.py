@@ -644,6 +644,7 @@ def ours_command(ctx: argparse.Namespace, run: Path) -> list[str]:
         "trainer.test_freq=-1",
         f"trainer.save_freq={ctx.save_every}",
         "trainer.max_actor_ckpt_to_keep=null",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model]",  # the evaluator reads the weights only
         "trainer.logger=[console,jsonl]",
         "trainer.resume_mode=disable",
         f"trainer.device={'cpu' if ctx.device == 'cpu' else 'cuda'}",

@@ -4,8 +4,9 @@ Layout (root = checkpoints/{project}/{experiment}):
 
     root/latest_checkpointed_iteration.txt        "N": the newest complete checkpoint (verl's file name)
     root/global_step_N/
-        trainer_state.json                        step, data cursor, tracker run id, extra; written LAST,
-                                                  so its presence marks a complete directory
+        trainer_state.json                        step, data cursor, tracker run id, extra, each role's
+                                                  contents; written LAST, so its presence marks a
+                                                  complete directory
         rng_state.pt                              the driver's python, numpy, torch CPU and CUDA generators
         actor/  (one directory per model role: actor, critic, ...)
             .metadata, __<rank>_0.distcp          torch.distributed.checkpoint: the weights ("model.*")
@@ -14,7 +15,12 @@ Layout (root = checkpoints/{project}/{experiment}):
             tied.json                             {alias: stored name} for tied weights (stored once)
             scheduler.pt                          the LR schedule's state_dict()
             huggingface/                          config.json, generation_config.json, tokenizer files
-                                                  (only for Hugging Face models; `trainer.export` needs them)
+                                                  (only for Hugging Face models; `trainer.export` needs them),
+                                                  and with hf_model the weights (model.safetensors)
+
+What a role's directory holds is verl's `checkpoint.save_contents` of the role: "model" always,
+"optimizer" (the AdamW state), "extra" (scheduler.pt), "hf_model" (the loadable transformers folder).
+A resume reads `load_contents`, and stops with an error if it asks for what the checkpoint lacks.
 
 Any number of ranks resumes a checkpoint written by any other number (trainer/parallel/fsdp.py): the files
 describe whole tensors and each loading rank reads the slices it holds. One process without Ray
@@ -38,7 +44,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -57,6 +63,8 @@ TIED_FILE = "tied.json"
 DCP_METADATA_FILE = ".metadata"
 HF_METADATA_DIR = "huggingface"
 FORMAT_VERSION = 2  # 1: whole-tensor safetensors + torch.save'd optimizer; 2: torch.distributed.checkpoint
+ALL_CONTENTS = ("model", "optimizer", "extra")  # verl's default save_contents; a record without "contents"
+_CONFIG_KEY = {"actor": "actor_rollout_ref.actor", "critic": "critic"}  # where a role's checkpoint keys live
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -102,9 +110,9 @@ class RoleState(Protocol):
     (trainer/parallel/groups.py) do it with all their ranks writing into the same directory.
     """
 
-    def save(self, directory: str) -> None: ...
+    def save(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None: ...
 
-    def load(self, directory: str) -> None: ...
+    def load(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None: ...
 
 
 @dataclass
@@ -116,11 +124,18 @@ class LocalRole:
     scheduler: Any = None
     tokenizer: Any = None  # saved with the HF config, so `trainer.export` can build a loadable folder
 
-    def save(self, directory: str) -> None:
-        save_role_state(Path(directory), self.model, self.optimizer, self.scheduler, tokenizer=self.tokenizer)
+    def save(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
+        save_role_state(
+            Path(directory),
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            tokenizer=self.tokenizer,
+            contents=contents,
+        )
 
-    def load(self, directory: str) -> None:
-        load_role_state(Path(directory), self.model, self.optimizer, self.scheduler)
+    def load(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
+        load_role_state(Path(directory), self.model, self.optimizer, self.scheduler, contents=contents)
 
 
 def save_checkpoint(
@@ -130,11 +145,14 @@ def save_checkpoint(
     roles: Mapping[str, RoleState],
     state: TrainState,
     keep_last: int | None,
+    contents: Mapping[str, Sequence[str]] | None = None,
 ) -> Path:
     """Write root/global_step_{step}/ atomically, point latest at it, prune to `keep_last`; returns the dir.
 
-    Each role writes its own directory (`RoleState.save`). `keep_last` None or <= 0 keeps all.
+    Each role writes its own directory (`RoleState.save`) with its `contents` (default: ALL_CONTENTS).
+    `keep_last` None or <= 0 keeps all.
     """
+    contents = {name: list(contents.get(name, ALL_CONTENTS) if contents else ALL_CONTENTS) for name in roles}
     root = Path(root)
     final = root / f"global_step_{step}"
     rng_state = state.rng_state if state.rng_state is not None else capture_rng_state()
@@ -146,10 +164,10 @@ def save_checkpoint(
         raise checkpoint_write_error(root, step, exc) from exc
     try:
         for name, role in roles.items():
-            role.save(str(staging / name))
+            role.save(str(staging / name), contents[name])
         torch.save(rng_state, staging / RNG_FILE)
         # trainer_state.json last: its presence is what makes a directory a complete checkpoint.
-        _write_json(staging / STATE_FILE, _state_record(state, step, list(roles)))
+        _write_json(staging / STATE_FILE, _state_record(state, step, contents))
         _fsync_tree(staging)
         _move_into_place(staging, final)
     except BaseException as exc:
@@ -200,35 +218,46 @@ def save_role_state(
     *,
     tokenizer: Any = None,
     writer: bool = True,
+    contents: Sequence[str] = ALL_CONTENTS,
 ) -> None:
-    """One role's directory: weights and optimizer through torch.distributed.checkpoint (a collective
-    when the model is sharded: every rank calls it); the `writer` rank adds the tie map, the LR schedule
-    and the Hugging Face metadata."""
+    """One role's directory: weights (and the optimizer, if in `contents`) through
+    torch.distributed.checkpoint (a collective when the model is sharded: every rank calls it); the
+    `writer` rank adds the tie map, the LR schedule ("extra") and the Hugging Face metadata."""
     directory = Path(directory)
     aliases = tied_aliases(model)
-    save_sharded(directory, model, optimizer, aliases=aliases)
+    save_sharded(directory, model, optimizer if "optimizer" in contents else None, aliases=aliases)
     if writer:
         _write_json(directory / TIED_FILE, aliases)
-        if scheduler is not None:
+        if scheduler is not None and "extra" in contents:
             torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
         save_hf_metadata(directory / HF_METADATA_DIR, model, tokenizer)
 
 
-def load_role_state(directory: Path, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
-    """Read a role's directory into `model` (any sharding), its optimizer and LR schedule, in place."""
+def load_role_state(
+    directory: Path,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    contents: Sequence[str] = ALL_CONTENTS,
+) -> None:
+    """Read a role's directory into `model` (any sharding), and the optimizer and LR schedule ("extra")
+    when `contents` names them, in place. What is not read starts fresh (AdamW's zero moments, step 0)."""
     directory = Path(directory)
     if not has_role_weights(directory):
         raise CheckpointError(f"{str(directory)!r} holds no role weights (no {DCP_METADATA_FILE})")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
-        load_sharded(directory, model, optimizer, aliases=tied_aliases(model))
+        load_sharded(
+            directory, model, optimizer if "optimizer" in contents else None, aliases=tied_aliases(model)
+        )
     except (Exception, CheckpointException) as exc:  # DCP names the first key or shape that differs
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         raise CheckpointError(
             f"{str(directory)!r} does not match the model it is loaded into: {detail}"
         ) from exc
-    if scheduler is not None:
+    if scheduler is not None and "extra" in contents:
         _load_optional(directory / SCHEDULER_FILE, scheduler, f"{directory.name} scheduler")
 
 
@@ -280,11 +309,17 @@ def save_hf_metadata(directory: Path, model: nn.Module, tokenizer: Any | None) -
         tokenizer.save_pretrained(directory)
 
 
-def _state_record(state: TrainState, step: int, roles: list[str]) -> dict:
+def _state_record(state: TrainState, step: int, contents: dict[str, list[str]]) -> dict:
     if state.step != step:
         raise ValueError(f"state.step ({state.step}) != step ({step})")
     record = {key: value for key, value in asdict(state).items() if key != "rng_state"}
-    return {**record, "roles": roles, "format_version": FORMAT_VERSION, "saved_at": time.time()}
+    return {
+        **record,
+        "roles": list(contents),
+        "contents": contents,
+        "format_version": FORMAT_VERSION,
+        "saved_at": time.time(),
+    }
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -446,17 +481,39 @@ def load_train_state(path: Path) -> TrainState:
     )
 
 
-def load_checkpoint(path: Path, *, roles: Mapping[str, RoleState], restore_rng: bool = True) -> TrainState:
-    """Load every role's state (and the driver's RNG streams) in place; returns the TrainState."""
+def load_checkpoint(
+    path: Path,
+    *,
+    roles: Mapping[str, RoleState],
+    restore_rng: bool = True,
+    contents: Mapping[str, Sequence[str]] | None = None,
+) -> TrainState:
+    """Load every role's state (and the driver's RNG streams) in place; returns the TrainState.
+
+    `contents`: what to read of each role (default ALL_CONTENTS; hf_model is never read). Asking for a
+    part the checkpoint was saved without raises CheckpointError before anything is loaded."""
     path = Path(path)
     state = load_train_state(path)
-    for name, role in roles.items():
+    record = _read_state_record(path)
+    wanted = {}
+    for name in roles:
         if not has_role_weights(path / name):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} has no weights for role {name!r} "
-                f"(roles saved: {sorted(_read_state_record(path).get('roles', []))})"
+                f"(roles saved: {sorted(record.get('roles', []))})"
             )
-        role.load(str(path / name))
+        asked = contents.get(name, ALL_CONTENTS) if contents else ALL_CONTENTS
+        asked = [c for c in asked if c != "hf_model"]  # written for other tools, never read back
+        held = record.get("contents", {}).get(name, ALL_CONTENTS)
+        missing, usable = [c for c in asked if c not in held], [c for c in held if c in asked]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds {list(held)} of role {name!r}, without {missing}: resume "
+                f"with {_CONFIG_KEY.get(name, name)}.checkpoint.load_contents={usable}"
+            )
+        wanted[name] = asked
+    for name, role in roles.items():
+        role.load(str(path / name), wanted[name])
     if restore_rng:
         restore_rng_state(torch.load(path / RNG_FILE, weights_only=True))
     return state

@@ -52,6 +52,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import Config
+from trainer.config.derive import checkpoint_contents
 from trainer.data import PromptRecord
 from trainer.profiling import profiled
 from trainer.build import (
@@ -557,7 +558,7 @@ def resume(run: Run) -> int:
     path = find_resume_checkpoint(checkpoint_root(cfg), cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
     state = load_train_state(path) if path is not None else TrainState(step=0)
     if path is not None:
-        state = load_checkpoint(path, roles=checkpoint_roles(run))
+        state = load_checkpoint(path, roles=checkpoint_roles(run), contents=checkpoint_contents(cfg, "load"))
         run.source.restore(state.data_cursor)
         run.kl_ctrl.value = state.extra.get("kl_coef", run.kl_ctrl.value)
         run.last_saved_step = state.step
@@ -593,6 +594,7 @@ def save(run: Run, step: int, data_cursor: str | None = None, rng_state: dict | 
         roles=checkpoint_roles(run),
         state=state,
         keep_last=run.cfg.trainer.max_actor_ckpt_to_keep,
+        contents=checkpoint_contents(run.cfg, "save"),
     )
     run.last_saved_step = step
     return path

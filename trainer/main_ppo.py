@@ -53,17 +53,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from services.common.client import ServiceError
     from trainer import loop  # imported here: torch and the models load only once the config is good
-    from trainer.checkpoint import CheckpointWriteError
+    from trainer.checkpoint import CheckpointError, CheckpointWriteError
     from trainer.data import PromptTooLongError
     from trainer.model import ModelUnavailable
     from trainer.rewards import RewardErrors
 
     stops = (loop.TrainingAborted, ServiceError, PromptTooLongError, CheckpointWriteError, RewardErrors)
+    stops += (CheckpointError,)  # a resume from a checkpoint that is missing or does not fit the run
     try:
         loop.fit(config)
     except (*stops, ModelUnavailable) as exc:
         # A service that never became healthy or stayed down, a checkpoint folder that turned unwritable,
-        # rewards that could not be computed, a model not on disk offline: one line, no traceback.
+        # rewards that could not be computed, a model not on disk offline, a checkpoint that cannot be
+        # resumed: one line, no traceback.
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -429,3 +429,51 @@ def _restore_writable(folder: Path) -> None:
     if os.geteuid() == 0:
         subprocess.run(["chattr", "-i", str(folder)], capture_output=True, check=False)
     folder.chmod(0o755)
+
+
+def test_save_contents_leave_out_the_optimizer_and_a_resume_asking_for_it_is_refused(tmp_path):
+    """verl's checkpoint.save_contents: without "optimizer" and "extra" the role's directory holds the
+    weights alone (a third of the bytes with AdamW); load_contents reads what is asked, and asking for a
+    part the checkpoint lacks fails before anything is loaded, naming the key that fixes it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, optimizer, scheduler = make_trainables(seed=0)
+    train_step(model, optimizer, scheduler, torch.randint(0, 11, (4, 6)))
+    full = save(tmp_path / "full", 1, model, optimizer, scheduler)
+    roles = {"actor": LocalRole(model, optimizer, scheduler)}
+    light = save_checkpoint(
+        tmp_path / "light",
+        1,
+        roles=roles,
+        state=TrainState(step=1),
+        keep_last=None,
+        contents={"actor": ["model"]},
+    )
+
+    def stored(path):
+        keys = FileSystemReader(str(path / "actor")).read_metadata().state_dict_metadata
+        size = sum(f.stat().st_size for f in (path / "actor").iterdir() if f.is_file())
+        return {key.split(".")[0] for key in keys}, size
+
+    (full_parts, full_bytes), (light_parts, light_bytes) = stored(full), stored(light)
+    assert full_parts == {"model", "optimizer"} and light_parts == {"model"}
+    assert light_bytes < full_bytes / 2
+    assert not (light / "actor" / "scheduler.pt").exists()
+    assert json.loads((light / "trainer_state.json").read_text())["contents"] == {"actor": ["model"]}
+
+    restored, restored_opt, restored_sched = make_trainables(seed=123)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(light, roles={"actor": LocalRole(restored, restored_opt, restored_sched)})
+    message = str(refused.value)
+    assert "without ['optimizer', 'extra']" in message
+    assert "actor_rollout_ref.actor.checkpoint.load_contents=['model']" in message
+    assert not restored_opt.state  # nothing was loaded before the refusal
+
+    load_checkpoint(
+        light,
+        roles={"actor": LocalRole(restored, restored_opt, restored_sched)},
+        contents={"actor": ["model"]},
+    )
+    for name, param in restored.named_parameters():
+        assert torch.equal(param, dict(model.named_parameters())[name]), name
+    assert not restored_opt.state and restored_sched.last_epoch == 0  # both start fresh

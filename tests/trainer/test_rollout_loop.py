@@ -220,3 +220,41 @@ def test_a_service_failure_in_validation_keeps_the_step_it_validates(tiny_model,
 def same_weights(a: Path, b: Path) -> bool:
     left, right = load_role_weights(a / "actor"), load_role_weights(b / "actor")
     return left.keys() == right.keys() and all(torch.equal(left[name], right[name]) for name in left)
+
+
+def test_checkpoint_save_contents_model_and_hf_model(tiny_model, seven_data, tmp_path):  # noqa: F811
+    """actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]: each checkpoint holds the
+    sharded weights and a transformers folder that loads on its own, no optimizer state; a resume reads
+    the weights (its AdamW restarts, said at start), and asking for the optimizer stops in one line."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    contents = "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"
+    args = local_args(tiny_model, seven_data, tmp_path) + [contents, "trainer.save_freq=1"]
+    train(args + ["trainer.total_training_steps=1"])
+    actor = tmp_path / "ckpt" / "global_step_1" / "actor"
+    stored = FileSystemReader(str(actor)).read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in stored} == {"model"} and not (actor / "scheduler.pt").exists()
+    hf = AutoModelForCausalLM.from_pretrained(actor / "huggingface")
+    trained = load_role_weights(actor)
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name  # fp32 on the CPU: the very weights
+    assert set(load_file(actor / "huggingface" / "model.safetensors")) >= set(stored_names(stored))
+
+    resumed = train(args + ["trainer.total_training_steps=2"])
+    assert "global_step_1 (step 1)" in resumed.stdout
+    assert "leaves out the optimizer: a resume restarts AdamW's moments" in resumed.stdout
+    assert [m["step"] for m in metrics_of(tmp_path) if "actor/pg_loss" in m] == [1, 2]
+
+    asking = "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]"
+    refused = train(args + ["trainer.total_training_steps=3", asking], check=False)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    error = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert error[0].endswith("actor_rollout_ref.actor.checkpoint.load_contents=['model']")
+    assert not (tmp_path / "ckpt" / "global_step_3").exists()
+
+
+def stored_names(metadata) -> list[str]:
+    return [key.removeprefix("model.") for key in metadata if key.startswith("model.")]

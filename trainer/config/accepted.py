@@ -56,7 +56,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "actor_rollout_ref.actor",
             """
-            use_remove_padding use_fused_kernels checkpoint tau_pos
+            use_remove_padding use_fused_kernels checkpoint.async_save checkpoint.mbridge_config tau_pos
             tau_neg freeze_vision_tower calculate_entropy use_prefix_grouper data_loader_seed
             calculate_sum_pi_squared sum_pi_squared_checkpointing optim.total_training_steps optim.clip_grad
             optim.num_cycles optim.optimizer_impl optim.override_optimizer_config policy_loss.clip_cov_ratio
@@ -92,7 +92,8 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "critic",
             """
-            strategy rollout_n checkpoint ulysses_sequence_parallel_size data_loader_seed profiler
+            strategy rollout_n checkpoint.async_save checkpoint.mbridge_config ulysses_sequence_parallel_size
+            data_loader_seed profiler
             optim.total_training_steps optim.clip_grad optim.num_cycles optim.optimizer_impl
             optim.override_optimizer_config
             """,

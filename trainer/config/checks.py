@@ -22,8 +22,19 @@ def problems(config: Config) -> list[str]:
         *path_problems(config),
         *algorithm_problems(config),
         *multi_turn_problems(config),
+        *checkpoint_problems(config),
     ]
     return [p for p in found if p]
+
+
+def checkpoint_problems(config: Config) -> list[str]:
+    """hf_model writes the policy's transformers folder; a critic's value head has none to write."""
+    if config.use_critic and "hf_model" in config.critic.checkpoint.save_contents:
+        return [
+            "critic.checkpoint.save_contents: hf_model is written for the actor only (a value model "
+            "has no transformers causal-LM folder); leave it out"
+        ]
+    return []
 
 
 def ray_problems(config: Config) -> list[str]:
@@ -55,6 +66,14 @@ def notices(config: Config) -> list[str]:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
     if config.no_effect_keys:
         lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
+    sections = {"actor_rollout_ref.actor": config.actor_rollout_ref.actor, "critic": config.critic}
+    for key, section in sections.items():
+        if (key == "actor_rollout_ref.actor" or config.use_critic) and "optimizer" not in (
+            section.checkpoint.load_contents or section.checkpoint.save_contents
+        ):
+            lines.append(
+                f"checkpoint: {key}.checkpoint leaves out the optimizer: a resume restarts AdamW's moments"
+            )
     if config.reward_model.sandbox_fusion.url and config.reward_model.mode == "server":
         lines.append(
             "reward: reward_model.sandbox_fusion.url has no effect with reward_model.mode=server: the "

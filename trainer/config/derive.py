@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -149,6 +149,9 @@ def fill_derived(config: Config) -> None:
             section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
         )
     _fill_critic(config)
+    for checkpoint in (actor.checkpoint, critic.checkpoint):
+        if checkpoint.load_contents is None:
+            checkpoint.load_contents = list(checkpoint.save_contents)
     if config.reward_model.mode == "auto":
         # verl scores in-process; a reward-server is used when one is configured (the job group does).
         config.reward_model.mode = "server" if config.services.reward_url else "local"
@@ -253,3 +256,9 @@ def _text_with_references(section: BaseModel, prefix: str):
             yield from _text_with_references(value, f"{prefix}{name}.")
         elif isinstance(value, str) and "${" in value:
             yield section, name, f"{prefix}{name}"
+
+
+def checkpoint_contents(config: Config, which: Literal["save", "load"]) -> dict[str, list[str]]:
+    """verl's checkpoint.save_contents / load_contents of each trained role, by its checkpoint directory."""
+    sections = {"actor": config.actor_rollout_ref.actor.checkpoint, "critic": config.critic.checkpoint}
+    return {role: list(getattr(section, f"{which}_contents")) for role, section in sections.items()}

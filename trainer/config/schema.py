@@ -190,6 +190,35 @@ class OptimConfig(Section):
     optimizer: Literal["AdamW"] = Field("AdamW", description="Optimizer class (only AdamW).")
 
 
+CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
+
+
+def _has_model(contents: list[str] | None) -> list[str] | None:
+    if contents is not None and "model" not in contents:
+        raise ValueError("must include 'model' (the sharded weights every resume reads)")
+    return contents
+
+
+class CheckpointConfig(Section):
+    """verl's `checkpoint` of a trained role: what each of its checkpoints holds, and what a resume reads."""
+
+    save_contents: list[CheckpointContent] = Field(
+        ["model", "optimizer", "extra"],
+        description="What each checkpoint holds of this role: model (the sharded weights; required), "
+        "optimizer (AdamW's moments, twice the weights' bytes), extra (the LR schedule), hf_model (the "
+        "actor only: a transformers folder, loadable by from_pretrained, in its huggingface/). Without "
+        "the optimizer a save writes a third of the bytes, and a resume restarts AdamW's moments.",
+    )
+    load_contents: list[CheckpointContent] | None = Field(
+        None,
+        description="What a resume reads back (hf_model is never read). null: save_contents. Asking for "
+        "what the checkpoint does not hold stops the run with an error naming it.",
+    )
+
+    _lists = field_validator("save_contents", "load_contents", mode="before")(_one_or_many)
+    _model = field_validator("save_contents", "load_contents")(_has_model)
+
+
 class PolicyLossConfig(Section):
     loss_mode: Literal["vanilla"] = Field("vanilla", description="Policy loss: PPO clip (vanilla) only.")
 
@@ -265,6 +294,9 @@ class ActorConfig(Section):
         default_factory=PolicyLossConfig, description="Policy loss variant."
     )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="What the policy's checkpoints hold."
+    )
 
 
 # ---------------------------------------------------------------------------------------- rollout / ref
@@ -454,6 +486,9 @@ class CriticConfig(Section):
     )
     model: CriticModelConfig = Field(default_factory=CriticModelConfig, description="The value model.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimizer.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="What the critic's checkpoints hold."
+    )
     ppo_mini_batch_size: int | None = Field(
         None,
         ge=1,

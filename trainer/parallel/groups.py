@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.batch import TrainBatch
+from trainer.checkpoint import ALL_CONTENTS
 from trainer.config import Config
 from trainer.model import Precision
 from trainer.parallel.distributed import Scatter
@@ -105,11 +106,11 @@ class _TrainedGroup(RoleGroup):
         _, shards = self.scatter(batch, self.mini_batch_size)
         return _same_metrics_and_peak_memory(self.call_all("update", shards))
 
-    def save(self, directory: str) -> None:
-        self.call_all("save", [(directory,)] * self.world_size)
+    def save(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
+        self.call_all("save", [(directory, list(contents))] * self.world_size)
 
-    def load(self, directory: str) -> None:
-        self.call_all("load", [(directory,)] * self.world_size)
+    def load(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
+        self.call_all("load", [(directory, list(contents))] * self.world_size)
 
 
 class CriticGroup(_TrainedGroup):

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import load_role_state, save_role_state
+from trainer.checkpoint import ALL_CONTENTS, HF_METADATA_DIR, load_role_state, save_role_state
 from trainer.compiling import compile_model
 from trainer.parallel.distributed import DataParallel
 from trainer.parallel.fsdp import (
@@ -121,7 +121,7 @@ class _Checkpointed:
     dp: DataParallel
     hf_source: str
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
         tokenizer = load_tokenizer(self.hf_source) if self.dp.rank == 0 else None
         with self.offloader.on_device():
             save_role_state(
@@ -131,12 +131,19 @@ class _Checkpointed:
                 self.trained.scheduler,
                 tokenizer=tokenizer,
                 writer=self.dp.rank == 0,
+                contents=contents,
             )
+        if "hf_model" in contents:  # beside the config and tokenizer save_role_state wrote there
+            self.save_hf_weights(str(Path(directory) / HF_METADATA_DIR))
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
         with self.offloader.on_device():
             load_role_state(
-                Path(directory), self.trained.model, self.trained.optimizer, self.trained.scheduler
+                Path(directory),
+                self.trained.model,
+                self.trained.optimizer,
+                self.trained.scheduler,
+                contents=contents,
             )
 
 
