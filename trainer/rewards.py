@@ -168,7 +168,7 @@ async def open_scorer(reward_model, services, custom_reward_function):
     mode, custom_path = reward_model.mode, custom_reward_function.path
     if mode == "local":
         if custom_path:
-            return CustomFunctionScorer(custom_path, custom_reward_function.name)
+            return CustomFunctionScorer(custom_path, custom_reward_function.name or "compute_score")
         from services.scoring import LocalScorer
 
         return LocalScorer(

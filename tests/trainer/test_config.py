@@ -818,3 +818,68 @@ def test_batch_size_problems_never_blame_a_critic_the_user_did_not_ask_for():
     # GRPO ignores critic keys: no critic, nothing to check
     grpo = ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", "critic.ppo_mini_batch_size=16"]
     assert checks.problems(load_config([*grpo, "actor_rollout_ref.actor.ppo_mini_batch_size=8"])) == []
+
+
+def test_verl_07_reward_layout_reaches_the_same_keys(tmp_path):
+    """verl 0.7 moved the reward keys under `reward.*` (and sandbox_fusion to the top): both layouts
+    set the same fields, on the command line and in YAML; two different values for one field are refused."""
+    new = load_config(
+        [
+            "reward.custom_reward_function.path=/tmp/score.py",
+            "reward.custom_reward_function.name=score",
+            "reward.sandbox_fusion.url=http://code:8003/run_code",
+            "reward.reward_manager.name=dapo",
+        ],
+        check=False,
+    )
+    old = load_config(
+        [
+            "custom_reward_function.path=/tmp/score.py",
+            "custom_reward_function.name=score",
+            "reward_model.sandbox_fusion.url=http://code:8003/run_code",
+            "reward_model.reward_manager=dapo",
+        ],
+        check=False,
+    )
+    assert new.model_dump() == old.model_dump()
+    assert new.no_effect_keys == ["reward_model.reward_manager"]
+    assert (
+        load_config(["sandbox_fusion.url=http://b/run_code"]).reward_model.sandbox_fusion.url
+        == "http://b/run_code"
+    )
+
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "reward:\n  custom_reward_function: {path: /tmp/a.py, name: compute_score}\n"
+        "  sandbox_fusion: {url: null, max_concurrent: 64}\n"
+        "custom_reward_function: {path: null, name: null}\n"  # verl's old keys left null: the new ones hold
+    )
+    config = load_config(["--config", str(run)], check=False)
+    assert config.custom_reward_function.path == "/tmp/a.py"
+    run.write_text(
+        "reward:\n  custom_reward_function: {path: /tmp/a.py}\ncustom_reward_function: {path: /tmp/b.py}\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_config(["--config", str(run)], check=False)
+    assert (
+        "reward.custom_reward_function.path='/tmp/a.py' and custom_reward_function.path='/tmp/b.py'"
+        in str(refused.value)
+    )
+
+
+VERL_GENERATED = ROOT / ".verl" / "verl" / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+
+
+@pytest.mark.skipif(
+    not VERL_GENERATED.is_file(), reason="verl is not installed in .verl (.ci/run installs it)"
+)
+def test_verl_07_generated_config_loads_whole():
+    """verl 0.7.1's own full config (every key main_ppo knows, `???` where it must be set) is read: each key
+    either sets a field or is accepted with no effect; only its example paths, absent here, are problems."""
+    with pytest.raises(ConfigError) as problems:
+        load_config(["--config", str(VERL_GENERATED)])
+    assert all("does not exist" in problem for problem in problems.value.problems), problems.value.problems
+    config = load_config(["--config", str(VERL_GENERATED)], check=False)
+    assert config.actor_rollout_ref.rollout.name == "auto"  # `???` there: the default here
+    assert config.custom_reward_function.name == "compute_score"
+    assert "actor_rollout_ref.actor.checkpoint.async_save" in config.no_effect_keys

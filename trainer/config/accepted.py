@@ -12,14 +12,14 @@ from __future__ import annotations
 
 _REF_AND_ACTOR = """
     ulysses_sequence_parallel_size entropy_from_logits_with_chunking entropy_checkpointing
-    profiler router_replay rollout_n strategy
+    profiler router_replay rollout_n strategy qat
 """
 # fsdp_config keys of verl's FSDP (1 and 2) that change nothing here: one unit per decoder layer and fp32
 # master weights are fixed (trainer/parallel/fsdp.py)
 _FSDP = """
     wrap_policy fsdp_size forward_prefetch model_dtype use_orig_params grad_offload dtype
     strategy seed full_determinism entropy_from_logits_with_chunking entropy_checkpointing forward_only
-    ulysses_sequence_parallel_size use_torch_compile
+    ulysses_sequence_parallel_size use_torch_compile qat
 """
 
 
@@ -59,7 +59,8 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             use_remove_padding use_fused_kernels checkpoint.async_save checkpoint.mbridge_config tau_pos
             tau_neg freeze_vision_tower calculate_entropy use_prefix_grouper data_loader_seed
             calculate_sum_pi_squared sum_pi_squared_checkpointing optim.total_training_steps optim.clip_grad
-            optim.num_cycles optim.optimizer_impl optim.override_optimizer_config policy_loss.clip_cov_ratio
+            optim.num_cycles optim.optimizer_impl optim.override_optimizer_config optim.zero_indexed_step
+            policy_loss.clip_cov_ratio
             policy_loss.clip_cov_lb policy_loss.clip_cov_ub policy_loss.kl_cov_ratio policy_loss.ppo_kl_coef
             """,
         ),
@@ -75,7 +76,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             cudagraph_capture_sizes data_parallel_size expert_parallel_size pipeline_model_parallel_size
             enable_prefix_caching logprobs_mode scheduling_policy agent checkpoint_engine trace skip_rollout
             skip_dump_dir skip_tokenizer_init enable_rollout_routing_replay profiler prometheus quantization
-            quantization_config_file mtp
+            quantization_config_file mtp qat nnodes n_gpus_per_node
             """,
         ),
         # multi-turn: user simulators and verl's re-tokenisation checks (the agent loop never re-tokenises)
@@ -95,7 +96,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             strategy rollout_n checkpoint.async_save checkpoint.mbridge_config ulysses_sequence_parallel_size
             data_loader_seed profiler
             optim.total_training_steps optim.clip_grad optim.num_cycles optim.optimizer_impl
-            optim.override_optimizer_config
+            optim.override_optimizer_config optim.zero_indexed_step
             """,
         ),
         *_under(

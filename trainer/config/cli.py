@@ -18,6 +18,11 @@ Two courtesies beyond Hydra: a value starting with `~` (`~/data/x.parquet`) is r
 syntax error, and the text `None` on a nullable key means null. Unknown keys are errors naming the
 closest valid key; verl keys with no effect here (trainer/config/accepted.py) are taken out and
 reported. Pydantic then types and bounds every value.
+
+Both of verl's reward layouts are read: the one the schema keeps (`custom_reward_function.*`,
+`reward_model.*`) and verl 0.7's `reward.*` (with a top-level `sandbox_fusion`), whose keys are moved to
+the schema's (REWARD_LAYOUT) as verl 0.7 moves the old ones the other way. A value left `???` (OmegaConf's
+"must be set", as in verl's generated config) leaves the default.
 """
 
 from __future__ import annotations
@@ -43,6 +48,77 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+# ---------------------------------------------------------------------------------------- verl 0.7's keys
+
+# verl 0.7's reward keys -> the schema's (verl's `migrate_legacy_reward_impl` maps them the other way);
+# the longest matching prefix wins
+REWARD_LAYOUT = {
+    "reward.custom_reward_function": "custom_reward_function",
+    "reward.sandbox_fusion": "reward_model.sandbox_fusion",
+    "sandbox_fusion": "reward_model.sandbox_fusion",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_model": "reward_model",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_manager.source": "reward_model.reward_loop_source",
+    "reward.reward_manager.module.path": "reward_model.reward_loop_module_path",
+    "reward.reward_manager.module.name": "reward_model.reward_loop_class_name",
+    "reward.reward_kwargs": "reward_model.reward_kwargs",
+    "reward.num_workers": "reward_model.num_workers",
+}
+MISSING = "???"
+
+
+def schema_key(key: str) -> str:
+    """The schema's name for a key of verl 0.7's reward layout; any other key as it is."""
+    for old in sorted(REWARD_LAYOUT, key=len, reverse=True):
+        if key == old or key.startswith(old + "."):
+            return REWARD_LAYOUT[old] + key[len(old) :]
+    return key
+
+
+def adopt_reward_layout(tree: dict) -> list[str]:
+    """Move the `reward` and `sandbox_fusion` subtrees of a YAML tree to the schema's keys, in place.
+
+    A value the schema's own key already holds wins over a null (verl's rule); two different values are a
+    problem naming both keys."""
+    problems = []
+    for top in ("reward", "sandbox_fusion"):
+        subtree = tree.pop(top, None)
+        if not isinstance(subtree, dict):
+            if subtree is not None:
+                tree[top] = subtree  # not verl's layout: check_keys names it
+            continue
+        for key, value in _leaves(subtree, top):
+            target = schema_key(key)
+            parent = tree
+            *path, leaf = target.split(".")
+            for part in path:
+                parent = parent.setdefault(part, {})
+            held = parent.get(leaf)
+            if held is not None and value is not None and held != value:
+                problems.append(f"{key}={value!r} and {target}={held!r}: set one of the two")
+            elif held is None:
+                parent[leaf] = value
+    return problems
+
+
+def _leaves(node: dict, prefix: str):
+    for name, value in node.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}.{name}")
+        else:
+            yield f"{prefix}.{name}", value
+
+
+def drop_missing(node: dict) -> None:
+    """Take out every `???` value (verl's generated config leaves the mandatory ones so): defaults apply."""
+    for name in list(node):
+        if isinstance(node[name], dict):
+            drop_missing(node[name])
+        elif node[name] == MISSING:
+            del node[name]
 
 
 # ---------------------------------------------------------------------------------------- the command line
@@ -121,11 +197,11 @@ def read_yaml_config(path: str) -> DictConfig:
 # ---------------------------------------------------------------------------------------- overrides
 
 
-def _typed_value(override: Override, text: str) -> Any:
+def _typed_value(override: Override, text: str, key: str) -> Any:
     """Hydra's value, except that a text key keeps the text as written (`experiment_name=007`)."""
     value = override.value()
     if isinstance(value, (bool, int, float)):
-        found = keys.field_at(override.key_or_group.split("."))
+        found = keys.field_at(key.split("."))
         if found is not None and not found[1] and keys.is_text(found[0]):
             return text.partition("=")[2].strip()
     return value
@@ -140,8 +216,7 @@ def _current(tree: DictConfig, defaults: dict, key: str) -> Any:
     return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
 
 
-def _delete(tree: DictConfig, override: Override, defaults: dict) -> str | None:
-    key = override.key_or_group
+def _delete(tree: DictConfig, override: Override, defaults: dict, key: str) -> str | None:
     if not is_no_effect(key) and keys.field_at(key.split(".")) is None:
         return keys.unknown_key_message(key)
     if override.value_type is not None:
@@ -160,9 +235,10 @@ def apply_override(tree: DictConfig, text: str, defaults: dict) -> str | None:
     override, problem = parse_override(text)
     if override is None:
         return problem
+    key = schema_key(override.key_or_group)
     if override.type is OverrideType.DEL:
-        return _delete(tree, override, defaults)
-    key, value = override.key_or_group, _typed_value(override, text)
+        return _delete(tree, override, defaults, key)
+    value = _typed_value(override, text, key)
     problem = keys.key_problem(key, value)
     if problem is None:
         try:
@@ -222,11 +298,15 @@ def load_config(argv: list[str], *, check: bool = True) -> Config:
     files, overrides = split_argv(argv)
     defaults = defaults_tree()
     merged: dict = {}
+    problems = []
     for file in files:
-        merged = overlay(merged, OmegaConf.to_container(read_yaml_config(file), resolve=False))
+        loaded = OmegaConf.to_container(read_yaml_config(file), resolve=False)
+        problems += adopt_reward_layout(loaded)
+        merged = overlay(merged, loaded)
     tree = OmegaConf.create(merged)
-    problems = [p for text in overrides if (p := apply_override(tree, text, defaults))]
+    problems += [p for text in overrides if (p := apply_override(tree, text, defaults))]
     user = OmegaConf.to_container(tree, resolve=False)
+    drop_missing(user)
     no_effect = pop_no_effect(user)
     problems += keys.check_keys(user)
     resolved = resolve(user, defaults)

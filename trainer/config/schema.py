@@ -582,7 +582,10 @@ class CustomRewardFunction(Section):
         description="Python file with a verl-style compute_score(data_source, solution_str, ground_truth, "
         "extra_info); used by reward_model.mode=local instead of the built-in scorers.",
     )
-    name: str = Field("compute_score", description="Function name in that file.")
+    name: str | None = Field(
+        "compute_score",
+        description="Function name in that file (null, as verl's old default: compute_score).",
+    )
 
 
 # ---------------------------------------------------------------------------------------- algorithm / trainer
