@@ -53,7 +53,7 @@ def test_qwen3_grpo_quickstart_runs_as_written(verl_home, monkeypatch):
     # one clear line: the engine that generates instead of vLLM (the offload acts: no line for it)
     assert [line for line in lines if "not wired in yet" in line] == [
         "rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet; the built-in engine "
-        "(hf: transformers generate) generates instead"
+        "(continuous batching, on each policy rank) generates instead"
     ]
     # every verl key of the command acts here: no "accepted, no effect" line
     assert not [line for line in lines if line.startswith("accepted, no effect here: ")]
@@ -62,7 +62,7 @@ def test_qwen3_grpo_quickstart_runs_as_written(verl_home, monkeypatch):
     assert "reward_model:" in lines and "  mode: local" in lines
     run_dir = verl_home / "runs" / "verl_grpo_example_gsm8k" / "qwen3_1_7b_function_rm"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary == {"rollout_engine": "hf", "rollout_engine_requested": "vllm"}
+    assert summary == {"rollout_engine": "builtin", "rollout_engine_requested": "vllm"}
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in steps if "actor/pg_loss" in m]
     assert [m["training/global_step"] for m in trained] == [1, 2]

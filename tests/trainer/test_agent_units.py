@@ -253,7 +253,7 @@ def test_config_turns_multi_turn_on_with_the_built_in_engine():
     assert "multi-turn tool calls run on the builtin engine" in notices  # rollout.name=hf was asked for
     single = load_config([])
     assert (
-        single.actor_rollout_ref.rollout.engine == "hf"
+        single.actor_rollout_ref.rollout.engine == "builtin"
         and not single.actor_rollout_ref.rollout.multi_turn.enable
     )
 

@@ -208,7 +208,10 @@ def test_seed_commands_parse_as_written(home, command):
     config = load_config(argv_of(command), check=False)
     assert config.data.train_files == [str(home / "data/gsm8k/train.parquet")]
     assert config.data.source == "files"
-    assert config.actor_rollout_ref.rollout.name == "vllm" and config.actor_rollout_ref.rollout.engine == "hf"
+    assert (
+        config.actor_rollout_ref.rollout.name == "vllm"
+        and config.actor_rollout_ref.rollout.engine == "builtin"
+    )
     assert checks.problems(config) == []
     # 8 GPUs train through Ray role groups; one GPU stays one process
     assert config.uses_ray == (command is GRPO_QWEN3)
@@ -221,7 +224,7 @@ def test_qwen3_quickstart_is_accepted_as_written(home, monkeypatch):
     assert (config.data.train_batch_size, arr.actor.ppo_mini_batch_size) == (1024, 80)  # 12 x 80 + 64
     assert arr.actor.ppo_micro_batch_size_per_gpu == 20  # 80 x 3 = 240 sequences per GPU, 12 micro-batches
     assert config.reward_model.mode == "local"  # verl's default: scored in-process, no reward-server
-    assert arr.rollout.name == "vllm" and arr.rollout.engine == "hf"
+    assert arr.rollout.name == "vllm" and arr.rollout.engine == "builtin"
     said = checks.notices(config)
     assert said[0].startswith("rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet")
 
@@ -270,8 +273,8 @@ def test_grpo_qwen3_small(home):
     assert not arr.actor.fsdp_config.param_offload and config.critic.model.use_remove_padding  # the policy's
     # the offload acts on one GPU too (its one rank is sharded by FSDP2 like any other): no notice
     assert checks.notices(config) == [
-        "rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet; the built-in engine (hf: "
-        "transformers generate) generates instead",
+        "rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet; the built-in engine "
+        "(continuous batching, on each policy rank) generates instead",
     ]
     assert "param_offload: true" in config.resolved_yaml()
 
@@ -883,3 +886,24 @@ def test_verl_07_generated_config_loads_whole():
     assert config.actor_rollout_ref.rollout.name == "auto"  # `???` there: the default here
     assert config.custom_reward_function.name == "compute_score"
     assert "actor_rollout_ref.actor.checkpoint.async_save" in config.no_effect_keys
+
+
+@pytest.mark.parametrize("hardware", [True, False], ids=["avx512-bf16", "avx2-only"])
+def test_bf16_on_a_cpu_without_bf16_hardware_runs_fp32_and_says_so(monkeypatch, hardware):
+    """On an AVX2-only CPU (an AMD EPYC here) torch's bf16 matmul is ~70x slower than fp32: the demo's
+    trainer.mixed_precision=bf16 took over 10 minutes for one update there. Without the hardware the run
+    computes in fp32 and says so once; with it bf16 stays."""
+    import trainer.model
+    from trainer.config import derive
+
+    monkeypatch.setattr(derive, "fast_bf16_cpu", lambda: hardware)
+    monkeypatch.setattr(trainer.model, "fast_bf16_cpu", lambda: hardware)
+    config = load_config(["trainer.device=cpu", "trainer.mixed_precision=bf16"], check=False)
+    said = [line for line in checks.notices(config) if "mixed_precision" in line]
+    precision = trainer.model.default_precision("cpu", config.trainer.mixed_precision)
+    if hardware:
+        assert said == [] and precision.autocast_dtype is not None
+    else:
+        assert said and "the run computes in fp32" in said[0] and precision.autocast_dtype is None
+    assert trainer.model.default_precision("cpu", "auto").autocast_dtype is None  # auto: fp32 on a CPU
+    assert trainer.model.default_precision("cpu", "fp32").autocast_dtype is None

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.config.derive import slow_bf16
 from trainer.config.run import Config
 
 GPUS = "trainer.nnodes * trainer.n_gpus_per_node"
-ENGINE_KINDS = {"hf": "transformers generate", "builtin": "the fast engine, colocated"}
 
 
 def problems(config: Config) -> list[str]:
@@ -60,12 +60,17 @@ def notices(config: Config) -> list[str]:
     elif rollout.name == "vllm":
         lines.append(
             f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
-            f"engine ({rollout.engine}: {ENGINE_KINDS[rollout.engine]}) generates instead"
+            "engine (continuous batching, on each policy rank) generates instead"
         )
     if rollout.n > 1 and not rollout.do_sample:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
     if config.no_effect_keys:
         lines.append("accepted, no effect here: " + ", ".join(config.no_effect_keys))
+    if slow_bf16(config):
+        lines.append(
+            "trainer.mixed_precision=bf16: this CPU has no bf16 matmul hardware (AVX512-BF16 or AMX), where "
+            "torch's bf16 matmuls run ~70x slower than fp32: the run computes in fp32"
+        )
     sections = {"actor_rollout_ref.actor": config.actor_rollout_ref.actor, "critic": config.critic}
     for key, section in sections.items():
         if (key == "actor_rollout_ref.actor" or config.use_critic) and "optimizer" not in (

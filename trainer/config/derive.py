@@ -18,24 +18,38 @@ from pydantic import BaseModel
 from trainer.config.run import Config
 from trainer.config.schema import Section
 
-# What generates for each rollout.name (trainer/rollout/manager.py `build_rollout` builds it). auto (and
-# vllm, which is not wired in yet: trainer/config/checks.py says so at start) pick the fast built-in engine
-# on a GPU and transformers generate on the CPU, where the built-in engine gains nothing. Either runs on
-# each policy rank on its own copy of the weights, as a replica behind the rollout manager.
+# What generates for each rollout.name (trainer/rollout/manager.py `build_rollout` builds it): auto (and
+# vllm, which is not wired in yet: trainer/config/checks.py says so at start) pick the built-in engine on
+# every device, so one engine generates at every scale; hf (transformers generate) when asked for. Either
+# runs on each policy rank on its own copy of the weights, as a replica behind the rollout manager.
 ENGINE_USED = {"hf": "hf", "builtin": "builtin", "sglang": "sglang"}
 
 
-def engine_used(name: str, device: str) -> str:
-    """The engine that generates for rollout.name on trainer.device (auto: a CUDA GPU if one is seen)."""
-    if name in ENGINE_USED:
-        return ENGINE_USED[name]
-    return "builtin" if device == "cuda" or (device == "auto" and gpu_present()) else "hf"
+def engine_used(name: str) -> str:
+    """The engine that generates for rollout.name."""
+    return ENGINE_USED.get(name, "builtin")
 
 
-def gpu_present() -> bool:
-    """An NVIDIA GPU this process may use, seen without importing torch (the config stays torch-free)."""
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
-    return not hidden and os.path.exists("/dev/nvidiactl")
+def fast_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), read without torch. Without it
+    torch's bf16 matmul takes a generic path: ~70x slower than fp32 on an AVX2 AMD EPYC (BENCHMARKS.md)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def on_cpu(config: Config) -> bool:
+    """The run trains on the CPU: asked for, or trainer.device=auto on a machine without an NVIDIA GPU."""
+    device = config.trainer.device
+    return device == "cpu" or (device == "auto" and not os.path.exists("/dev/nvidiactl"))
+
+
+def slow_bf16(config: Config) -> bool:
+    """trainer.mixed_precision=bf16 asked for on a CPU without bf16 hardware: the run uses fp32 instead."""
+    return config.trainer.mixed_precision == "bf16" and on_cpu(config) and not fast_bf16_cpu()
 
 
 def per_gpu(global_size: int | None, world: int) -> int | None:
@@ -129,7 +143,7 @@ def fill_derived(config: Config) -> None:
     data.gen_batch_size = data.gen_batch_size or data.train_batch_size
     rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
     rollout.response_length = rollout.response_length or data.max_response_length
-    rollout.engine = engine_used(rollout.name, config.trainer.device)
+    rollout.engine = engine_used(rollout.name)
     if rollout.multi_turn.enable and rollout.engine == "hf":
         # the agent loop's turns reach the engine one by one, as their tool calls return: the built-in
         # engine batches them continuously, where hf runs one generate call per handful arriving together

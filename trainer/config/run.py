@@ -57,7 +57,8 @@ class TrainerConfig(Section):
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
         description="Forward/backward precision (weights and optimizer stay fp32). auto: bf16 autocast on "
-        "CUDA, fp32 on CPU; bf16 on a CPU with AMX / AVX512-BF16 is ~3x faster.",
+        "CUDA, fp32 on CPU. bf16 on a CPU with AMX / AVX512-BF16 is ~3x faster; on a CPU without them "
+        "torch's bf16 matmuls are ~70x slower, so bf16 there runs fp32 (said at start).",
     )
     seed: int = Field(
         1, description="Seed of python, numpy and torch RNGs (and of data order unless data.seed)."

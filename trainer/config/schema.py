@@ -362,7 +362,7 @@ class MultiTurnConfig(Section):
 class RolloutConfig(Section):
     name: Literal["auto", "hf", "builtin", "sglang", "vllm"] = Field(
         "auto",
-        description="Generation engine asked for. auto: builtin on a GPU, hf on the CPU. hf: transformers "
+        description="Generation engine asked for. auto: builtin (on the CPU too). hf: transformers "
         "generate; builtin: the built-in fast engine (continuous batching; Triton kernels and CUDA graphs on "
         "GPU). Both run on every policy rank on their own copy of the weights (bf16 on GPU), synced after "
         "each update; sglang: SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not "
