@@ -41,10 +41,16 @@ def fast_bf16_cpu() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def gpu_present() -> bool:
+    """An NVIDIA GPU this process may use, seen without importing torch (the config stays torch-free)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    return not hidden and os.path.exists("/dev/nvidiactl")
+
+
 def on_cpu(config: Config) -> bool:
-    """The run trains on the CPU: asked for, or trainer.device=auto on a machine without an NVIDIA GPU."""
+    """The run trains on the CPU: asked for, or trainer.device=auto where no GPU is seen."""
     device = config.trainer.device
-    return device == "cpu" or (device == "auto" and not os.path.exists("/dev/nvidiactl"))
+    return device == "cpu" or (device == "auto" and not gpu_present())
 
 
 def slow_bf16(config: Config) -> bool:
