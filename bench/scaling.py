@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import itertools
 import json
 import multiprocessing
@@ -499,20 +500,9 @@ class Runner:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         log = open(self.args.results / f"{case.slug}.log", "w")  # noqa: SIM115 - closed when it ends
         command = run_command(self.args, case, self.inputs, run_dir, self.extra)
-        if self.args.sample_driver:  # py-spy samples the run's driver (bench/trace_summary.py reads it)
-            out = self.args.results / f"{case.slug}.driver.txt"
-            command = [
-                py_spy(),
-                "record",
-                "--threads",
-                "--rate",
-                "200",
-                "-f",
-                "raw",
-                "-o",
-                str(out),
-                "--",
-            ] + command
+        if self.args.sample_driver:  # py-spy samples the run's driver, idle too, in time order, unpaused
+            spy = [py_spy(), "record", "--idle", "--nonblocking", "--rate", "100", "-f", "speedscope"]
+            command = [*spy, "-o", str(run_dir / "driver.json"), "--", *command]
         process = subprocess.Popen(
             command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -539,6 +529,12 @@ class Runner:
         log.close()
         case.wall_s = time.monotonic() - case.started
         run_dir = self.args.out / case.slug
+        if (run_dir / "driver.json").exists():  # compressed beside the logs (the raw samples run to ~20 MB)
+            with (
+                open(run_dir / "driver.json", "rb") as raw,
+                gzip.open(self.args.results / f"{case.slug}.driver.json.gz", "wb") as out,
+            ):
+                shutil.copyfileobj(raw, out)
         if process.returncode == 0 and (run_dir / "metrics.jsonl").exists():
             case.result, case.status = summarise(run_dir), "done"
         elif case.status != "timed out":
@@ -620,7 +616,7 @@ def main() -> None:
     parser.add_argument(
         "--sample-driver",
         action="store_true",
-        help="py-spy samples each run's driver: <results>/<case>.driver.txt",
+        help="py-spy samples each run's driver: <results>/<case>.driver.json.gz (trace_summary.py)",
     )
     parser.add_argument(
         "--budget-s", type=float, default=None, help="stop starting (and stop) cases after this"

@@ -291,3 +291,24 @@ def test_shared_prefixes_groups_consecutive_samples():
     # runs: rows 0-1 (prompt 0), rows 2-4 (prompt 1), row 5 (prompt 0 again, a new run)
     assert unique == [0, 2, 5]
     assert expand.tolist() == [0, 0, 1, 1, 1, 2]
+
+
+def test_packed_rollouts_come_back_exactly_as_sent():
+    """What a Ray rank sends the driver (arrays, not lists): every value and field round-trips exactly,
+    empty responses, tool-masked tokens and float64 logprobs included."""
+    from trainer.rollout.base import pack_rollouts, unpack_rollouts
+
+    rng = random.Random(0)
+    rollouts = [
+        Rollout(
+            prompt_ids=[rng.randrange(150_000) for _ in range(rng.randrange(1, 9))],
+            response_ids=[rng.randrange(150_000) for _ in range(length)],
+            logprobs=[-rng.random() * 20 for _ in range(length)],
+            loss_mask=[rng.randrange(2) for _ in range(length)],
+            finish_reason=rng.choice(["stop", "length", "abort"]),
+            prompt_index=index // 2,
+        )
+        for index, length in enumerate([0, 5, 1, 17])
+    ]
+    assert unpack_rollouts(pack_rollouts(rollouts)) == rollouts
+    assert unpack_rollouts(pack_rollouts([])) == []

@@ -32,6 +32,7 @@ import torch
 
 from trainer.parallel.distributed import NCCL_ENV, free_port, init_data_parallel, local_data_parallel
 from trainer.profiling import profiler_activities, write_profile
+from trainer.rollout.base import pack_rollouts, unpack_rollouts
 
 PLACEMENT_TIMEOUT_S = 300.0
 REPLICA_CALLS = "replica"  # the rank actors' concurrency group for the rollout manager's requests
@@ -199,23 +200,29 @@ class RankActor:
             getattr(self.role.replica, method)(*args, **kwargs), self._replica_loop()
         ).result()
 
-    def replica_many(self, method: str, calls: list[tuple]):
-        """Several calls of one replica method at once, all started before any is awaited; yields lists
-        of (position, result, error), each the calls finished since the last. RankReplica sends the
-        requests the manager made in one turn of its event loop this way: the engine gets a batch's
-        prompts together instead of one Ray call at a time (spread over ~0.1-0.2 s at 4 ranks, so its last
-        prompts started late), and each prompt's group still comes back as soon as it is done (a Ray
-        streaming generator), in one message with the others that ended with it."""
+    def rollouts_many(self, calls: list[tuple]):
+        """Several `rollouts` calls of this rank's replica at once, all started before any is awaited;
+        yields, for the calls finished since the last yield, (positions, rollouts per call, their rollouts
+        packed, (position, error) of the failed). RankReplica sends the requests the manager made in one
+        turn of its event loop this way: the engine gets a batch's prompts together instead of one Ray call
+        at a time (spread over ~0.1-0.2 s at 4 ranks, so its last prompts started late), and each prompt's
+        group still comes back as soon as it is done (a Ray streaming generator), in one message with the
+        others that ended with it."""
         loop = self._replica_loop()
         replica = self.role.replica
         position = {
-            asyncio.run_coroutine_threadsafe(getattr(replica, method)(*args), loop): index
-            for index, args in enumerate(calls)
+            asyncio.run_coroutine_threadsafe(replica.rollouts(*args), loop): i for i, args in enumerate(calls)
         }
         pending = set(position)
         while pending:
             done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            yield [(position[f], *_outcome(f)) for f in done]
+            served = [f for f in done if f.exception() is None]
+            yield (
+                [position[f] for f in served],
+                [len(f.result()) for f in served],
+                pack_rollouts([rollout for f in served for rollout in f.result()]),
+                [(position[f], f.exception()) for f in done if f.exception() is not None],
+            )
 
     def _replica_loop(self) -> asyncio.AbstractEventLoop:
         with self.loop_lock:
@@ -361,7 +368,7 @@ Ranks = RayRanks | LocalRanks
 class RankReplica:
     """A Ray policy rank's engine as a replica of the rollout manager (rollout/pool.py's Replica calls the
     trainer uses). The `rollouts` requests made in one turn of the manager's event loop (a batch's
-    prompts, handed out together) go to the rank as one streaming call, `RankActor.replica_many`; each
+    prompts, handed out together) go to the rank as one streaming call, `RankActor.rollouts_many`; each
     request's result comes back on its own as the rank yields it."""
 
     def __init__(self, actor, name: str) -> None:
@@ -405,14 +412,16 @@ class RankReplica:
 
         failure: BaseException = RuntimeError(f"{self.name} ended a batch of requests without answering all")
         try:
-            many = self.actor.replica_many.options(concurrency_group=REPLICA_CALLS)
-            async for ref in many.remote("rollouts", calls):
-                for index, result, error in await ref:
-                    if futures[index].done():  # its caller gave up (cancelled)
-                        continue
-                    if error is None:
-                        futures[index].set_result(result)
-                    else:
+            many = self.actor.rollouts_many.options(concurrency_group=REPLICA_CALLS)
+            async for ref in many.remote(calls):
+                positions, counts, packed, errors = await ref
+                rollouts, start = unpack_rollouts(packed), 0
+                for index, count in zip(positions, counts):
+                    if not futures[index].done():  # else its caller gave up (cancelled)
+                        futures[index].set_result(rollouts[start : start + count])
+                    start += count
+                for index, error in errors:
+                    if not futures[index].done():
                         futures[index].set_exception(error)
         except RayActorError as exc:
             failure = ReplicaDown(f"{self.name}: {_first_line(exc)}")
@@ -470,12 +479,6 @@ def rank_failure(
     if isinstance(exc, RayActorError):
         return rank, f"its process died on {where}: {reason}"
     return rank, f"on {where}: {reason}"
-
-
-def _outcome(future: concurrent.futures.Future) -> tuple[Any, BaseException | None]:
-    """(result, None) or (None, the error) of a finished future."""
-    error = future.exception()
-    return (None, error) if error is not None else (future.result(), None)
 
 
 def _first_line(exc: BaseException) -> str:

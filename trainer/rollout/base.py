@@ -14,6 +14,7 @@ against, and the one `Policy.compute_logprobs(..., temperature=...)` recomputes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -78,3 +79,39 @@ class Rollout:
     loss_mask: list[int]  # 1 per response token trained on (0 on tool output in multi-turn rollouts)
     finish_reason: FinishReason
     prompt_index: int  # index of the prompt in the list given to generate()
+
+
+# A rollout's number lists and their dtypes on the wire (int64 and float64 hold every value exactly).
+NUMBER_FIELDS = (
+    ("prompt_ids", np.int64),
+    ("response_ids", np.int64),
+    ("logprobs", np.float64),
+    ("loss_mask", np.int8),
+)
+
+
+def pack_rollouts(rollouts: list[Rollout]) -> dict:
+    """Rollouts as one array per number field (and its rows' lengths): what a Ray rank sends the driver.
+    Pickled as Python lists, 2,048 rollouts of 256 tokens are ~1.8M objects, which the driver's Ray
+    thread took ~0.2 s a 4-GPU step to rebuild while holding the GIL; arrays are copied whole."""
+    packed: dict = {
+        "finish_reason": [r.finish_reason for r in rollouts],
+        "prompt_index": [r.prompt_index for r in rollouts],
+    }
+    for name, dtype in NUMBER_FIELDS:
+        rows = [getattr(r, name) for r in rollouts]
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
+        packed[name] = (flat, lengths)
+    return packed
+
+
+def unpack_rollouts(packed: dict) -> list[Rollout]:
+    """pack_rollouts' inverse."""
+    columns = {}
+    for name, _ in NUMBER_FIELDS:
+        flat, lengths = packed[name]
+        values, ends = flat.tolist(), np.cumsum(lengths).tolist()
+        columns[name] = [values[end - length : end] for end, length in zip(ends, lengths.tolist())]
+    columns["finish_reason"], columns["prompt_index"] = packed["finish_reason"], packed["prompt_index"]
+    return [Rollout(**dict(zip(columns, row))) for row in zip(*columns.values())]
