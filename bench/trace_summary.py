@@ -1,8 +1,12 @@
 """Where a profiled step's time went on each rank, from the Chrome traces `trainer.profile_steps` writes,
-and where a driver's time went, from py-spy's raw samples (`bench/scaling.py --sample-driver`).
+and where a driver's time went, from py-spy's samples (`bench/scaling.py --sample-driver`: speedscope,
+each thread's samples in time order, 10 ms apart, idle ones included).
 
     python bench/trace_summary.py <run>/profile/step_3_policy_rank0.json [more traces ...]
-    python bench/trace_summary.py <results>/0.5b_x4.driver.txt [--within collect_batch]
+    python bench/trace_summary.py <results>/0.5b_x4.driver.json.gz [--within train_step] [--last 20]
+
+For the driver: per thread, the milliseconds whose stack passes through --within (over the last --last
+seconds of the thread, e.g. the measured steps), by the innermost trainer/ frames and the frame running.
 
 For every trace: the step's span, and for each phase (the `rank.<method>` ranges a Ray rank's calls are
 recorded under, trainer/parallel/placement.py; the time outside them is generation and waiting for the
@@ -15,6 +19,7 @@ waiting for the driver or for another rank.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import Counter
 from pathlib import Path
@@ -94,20 +99,27 @@ def summarize(path: Path) -> list[dict]:
     return out
 
 
-def summarize_samples(path: Path, within: str, top: int = 12) -> list[str]:
-    """py-spy's raw output ("thread;frame;...;frame count" per line): per thread, the samples whose stack
-    passes through `within` (every sample when empty), and the innermost frames holding most of them."""
-    threads: dict[str, Counter] = {}
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        if not count.isdigit() or (within and not any(within in frame for frame in frames)):
-            continue
-        threads.setdefault(frames[0], Counter())[frames[-1]] += int(count)
+def summarize_samples(path: Path, within: str, last_s: float, top: int = 12) -> list[str]:
+    """py-spy's speedscope file: per thread, the time of the samples through `within` in its last `last_s`
+    seconds (all when 0), by where they were: the innermost trainer/ frames, then the frame running."""
+    data = json.loads(gzip.open(path).read() if path.suffix == ".gz" else path.read_text())
+    frames = data["shared"]["frames"]
     lines = []
-    for thread, leaves in sorted(threads.items(), key=lambda item: -item[1].total()):
-        lines.append(f"  {thread}: {leaves.total()} samples")
-        lines += [f"    {n:>7}  {frame}" for frame, n in leaves.most_common(top)]
+    for thread in data["profiles"]:
+        places, clock, start = Counter(), 0.0, thread["endValue"] - last_s if last_s else float("-inf")
+        for stack, weight in zip(thread["samples"], thread["weights"]):
+            clock += weight
+            named = [frames[i] for i in stack]
+            if clock < start or (within and not any(within in f["name"] for f in named)):
+                continue
+            ours = [f"{f['name']}:{f['line']}" for f in named if "/trainer/" in f["file"]][-3:][::-1]
+            leaf = (
+                f"{named[-1]['name']} ({Path(named[-1]['file']).name}:{named[-1]['line']})" if named else "-"
+            )
+            places[" < ".join(ours) + " | " + leaf] += weight
+        if places:
+            lines.append(f"  {thread['name']}: {places.total() * 1e3:.0f} ms")
+            lines += [f"    {ms * 1e3:>8.0f} ms  {place}" for place, ms in places.most_common(top)]
     return lines
 
 
@@ -117,11 +129,12 @@ def main() -> None:
     )
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--within", default="", help="py-spy samples: only stacks through this function")
+    parser.add_argument("--last", type=float, default=0.0, help="py-spy samples: a thread's last seconds")
     args = parser.parse_args()
     for path in args.traces:
         print(f"\n{path}")
-        if path.suffix == ".txt":  # py-spy's raw samples
-            print("\n".join(summarize_samples(path, args.within)))
+        if path.name.endswith((".json.gz", "driver.json")):  # py-spy's samples
+            print("\n".join(summarize_samples(path, args.within, args.last)))
             continue
         print(f"  {'phase':<38}{'wall ms':>10}{'GPU busy':>10}{'NCCL':>9}{'GPU idle':>10}{'CPU/GPU':>9}")
         for row in summarize(path):

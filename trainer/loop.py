@@ -397,7 +397,11 @@ async def generate(
     rollouts) as soon as they are all back; with multi_turn.enable the agent loop's, which call tools as
     they go (timing_s/tool_calls: the wall time with a tool call in flight)."""
     if run.agent is None:
-        await run.rollout.generate_groups_async(prompt_ids, sampling, on_group)
+
+        async def one(index: int, prompt: list[int]) -> None:
+            await on_group(index, await run.rollout.generate_async([prompt], sampling, first_index=index))
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_ids)))
         return None
     tools = await run.agent.generate(prompt_ids, sampling, on_group=on_group)
     timings["tool_calls"] = timings.get("tool_calls", 0.0) + tools.tool_seconds

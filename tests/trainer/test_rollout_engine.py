@@ -6,6 +6,8 @@ decoding does not just repeat one token: equality with transformers then means s
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -132,6 +134,40 @@ def test_logprobs_agree_with_the_trainers_recomputation(qwen, sampling):
             ]
             > 1e-2
         )
+
+
+def test_requests_from_another_loop_cross_in_batches_and_one_can_be_cancelled(qwen):
+    """The fit loop's requests (generate_async from its own loop): the prompts asked in one turn get the
+    tokens one batch call gives, prompt by prompt, and a request cancelled by its caller ends without its
+    answer while the others finish."""
+    model, tok = qwen
+    replica = LocalReplica(EngineWorker(engine_for(model, tok)), with_text=False)
+    manager = RolloutManager(ReplicaPool([replica]), pad_id=tok.pad_token_id)
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=12, n=2, seed=5)
+    prompts = encode(tok)
+
+    async def fit_loop():
+        asked = [
+            manager.generate_async([p], sampling, first_index=i) for i, p in enumerate(prompts)
+        ]  # coroutines: each crosses when the gather below starts it
+        together = await asyncio.gather(*asked)
+        long = asyncio.ensure_future(
+            manager.generate_async([prompts[0]], SamplingParams(max_new_tokens=80, ignore_eos=True))
+        )
+        short = asyncio.ensure_future(manager.generate_async([prompts[1]], sampling, first_index=1))
+        await asyncio.sleep(0.05)
+        long.cancel()
+        return together, await short, await asyncio.gather(long, return_exceptions=True)
+
+    try:
+        together, short, (cancelled,) = asyncio.run(fit_loop())
+        alone = manager.generate(prompts, sampling)
+    finally:
+        manager.close()
+    tokens = [[r.response_ids for r in group] for group in together]  # logprobs vary with the batch's rows
+    assert [t for group in tokens for t in group] == [r.response_ids for r in alone]
+    assert [r.prompt_index for group in together for r in group] == [r.prompt_index for r in alone]
+    assert [r.response_ids for r in short] == tokens[1] and isinstance(cancelled, asyncio.CancelledError)
 
 
 def test_continuous_batching_gives_each_request_the_tokens_it_gets_alone(qwen):
