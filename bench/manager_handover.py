@@ -8,11 +8,13 @@ so what is timed is the crossing of threads, the pool's routing and the hand-bac
     turns     --prompts x n trajectories of --turns model turns each, every turn its own request with its
               trajectory's routing key, as the agent loop makes them
 
-Each shape runs --repeats times; the median and the range of the wall seconds are printed. To compare two
-trees, run this file with PYTHONPATH set to each (`git archive <commit> | tar -x -C /tmp/base`):
+each with the manager on the caller's loop (`loop`: the trainer's way) and on its own thread (`thread`: a
+hand-over to it and back per request). Each runs --repeats times; the median and the range of the wall
+seconds are printed. To compare two trees, run this file with PYTHONPATH set to each (`git archive
+<commit> | tar -x -C /tmp/base`; `--modes thread` for a tree without `loop=`):
 
     python bench/manager_handover.py
-    PYTHONPATH=/tmp/base python bench/manager_handover.py
+    PYTHONPATH=/tmp/base python bench/manager_handover.py --modes thread
 """
 
 from __future__ import annotations
@@ -68,6 +70,21 @@ async def turns(manager: RolloutManager, trajectories: int, count: int, sampling
     await asyncio.gather(*(trajectory(i) for i in range(trajectories)))
 
 
+def timed(mode: str, pool: ReplicaPool, shape) -> float:
+    """Seconds of one run of `shape(manager)`, the manager on this run's loop or on its own thread."""
+
+    async def run() -> float:
+        mine = {"loop": asyncio.get_running_loop()} if mode == "loop" else {}  # old trees lack loop=
+        manager = RolloutManager(pool, pad_id=0, **mine)
+        started = time.perf_counter()
+        await shape(manager)
+        seconds = time.perf_counter() - started
+        manager.close() if mode == "thread" else None
+        return seconds
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -78,31 +95,29 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--modes", default="loop,thread")
     args = parser.parse_args()
-    pool = ReplicaPool([AnsweringReplica(args.n, args.tokens) for _ in range(args.replicas)])
-    manager = RolloutManager(pool, pad_id=0)
     shapes = {
-        f"prompts ({args.prompts} x n={args.n})": lambda: prompts(
-            manager, args.prompts, SamplingParams(n=args.n, seed=1)
+        f"prompts ({args.prompts} x n={args.n})": (
+            args.n,
+            lambda m: prompts(m, args.prompts, SamplingParams(n=args.n, seed=1)),
         ),
-        f"turns ({args.prompts * args.n} trajectories x {args.turns})": lambda: turns(
-            manager, args.prompts * args.n, args.turns, SamplingParams(n=1, seed=1)
+        f"turns ({args.prompts * args.n} trajectories x {args.turns})": (
+            1,
+            lambda m: turns(m, args.prompts * args.n, args.turns, SamplingParams(n=1, seed=1)),
         ),
     }
-    try:
-        for name, shape in shapes.items():
+    for name, (n, shape) in shapes.items():
+        for mode in args.modes.split(","):
             seconds = []
             for _ in range(args.repeats):
-                started = time.perf_counter()
-                asyncio.run(shape())
-                seconds.append(time.perf_counter() - started)
+                pool = ReplicaPool([AnsweringReplica(n, args.tokens) for _ in range(args.replicas)])
+                seconds.append(timed(mode, pool, shape))
             print(
-                f"{name:<36} median {statistics.median(seconds):.3f} s  "
+                f"{name:<36} {mode:<7} median {statistics.median(seconds):.3f} s  "
                 f"(range {min(seconds):.3f}-{max(seconds):.3f}, {args.repeats} runs)",
                 flush=True,
             )
-    finally:
-        manager.close()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ multi-turn runs. The step then passes data only (`run.policy.update(batch)`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from dataclasses import dataclass
@@ -127,13 +128,13 @@ class Run:
         """The policy ranks' own engines generate (hf, builtin), not rollout servers."""
         return self.cfg.actor_rollout_ref.rollout.engine != "sglang"
 
-    def sync_weights(self) -> None:
+    async def sync_weights(self) -> None:
         """The engines take the policy's current weights: inside the ranks (colocated), else a
         checkpoint rank 0 writes for the servers."""
         if self.colocated:
             self.policy.sync_weights()
         else:
-            self.rollout.load_weights(GroupWeights(self.policy))
+            await self.rollout.load_weights_async(GroupWeights(self.policy))
 
 
 async def build_run(cfg: Config) -> Run:
@@ -166,6 +167,7 @@ async def build_run(cfg: Config) -> Run:
         gpus=visible_gpus(),
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
         weights_dir=weights_dir_from_env(),
+        loop=asyncio.get_running_loop(),
     )
     agent = None
     if tools is not None:
@@ -201,7 +203,7 @@ async def build_run(cfg: Config) -> Run:
 async def close_run(run: Run) -> None:
     if run.agent is not None:
         await run.agent.aclose()
-    run.rollout.close()
+    await run.rollout.close_async()
     if run.tracker is not None:
         run.tracker.close()
     run.groups.shutdown()

@@ -25,6 +25,7 @@ built once, with its settings, by trainer/build.py, so the step passes data only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -115,7 +116,7 @@ async def train(run: Run) -> dict[str, float]:
     # and random streams right after the last step that finished, as a checkpoint of it would hold them.
     step, updated, after_done = 0, False, (None, None)
     try:
-        step = resume(run)
+        step = await resume(run)
         if cfg.trainer.val_only or (cfg.trainer.val_before_train and step == 0):
             metrics = await validate(run, step)
             run.tracker.log(metrics, step)
@@ -192,7 +193,7 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
             with timer("update_actor", timings):
                 metrics |= run.policy.update(batch)
             with timer("update_weights", timings):
-                run.sync_weights()
+                await run.sync_weights()
     if run.cfg.trainer.rollout_data_dir:
         dump_rollouts(run.cfg.trainer.rollout_data_dir, step, collected.groups)
     progress = progress_metrics(step, run.source.epoch)
@@ -321,11 +322,16 @@ async def rollout_phase(run: Run):
         yield
         return
     await run.rollout.resume_memory_async(KV_CACHE)
+    free = run.cfg.actor_rollout_ref.rollout.free_cache_engine
     try:
         yield
-    finally:
-        if run.cfg.actor_rollout_ref.rollout.free_cache_engine:
-            await run.rollout.release_memory_async(KV_CACHE)
+    except BaseException:
+        if free:  # the phase's own error is the one to report, not a release it left unable to run
+            with contextlib.suppress(Exception):
+                await run.rollout.release_memory_async(KV_CACHE)
+        raise
+    if free:
+        await run.rollout.release_memory_async(KV_CACHE)
 
 
 async def generate_groups(
@@ -401,7 +407,14 @@ async def generate(
         async def one(index: int, prompt: list[int]) -> None:
             await on_group(index, await run.rollout.generate_async([prompt], sampling, first_index=index))
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_ids)))
+        requests = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompt_ids)]
+        try:
+            await asyncio.gather(*requests)
+        except BaseException:  # a failed group (its scoring, its replicas) ends the round: abort the rest
+            for request in requests:
+                request.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+            raise
         return None
     tools = await run.agent.generate(prompt_ids, sampling, on_group=on_group)
     timings["tool_calls"] = timings.get("tool_calls", 0.0) + tools.tool_seconds
@@ -552,7 +565,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
-def resume(run: Run) -> int:
+async def resume(run: Run) -> int:
     """Restore the latest (or named) checkpoint, open the tracker (same run id), return the last done step."""
     cfg = run.cfg
     path = find_resume_checkpoint(checkpoint_root(cfg), cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
@@ -562,7 +575,8 @@ def resume(run: Run) -> int:
         run.source.restore(state.data_cursor)
         run.kl_ctrl.value = state.extra.get("kl_coef", run.kl_ctrl.value)
         run.last_saved_step = state.step
-        run.sync_weights()  # the engines were built from model.path: they must sample the resumed policy
+        # the engines were built from model.path: they must sample the resumed policy
+        await run.sync_weights()
         print(f"resumed from {path} (step {state.step})", flush=True)
     run.tracker = Tracker(
         cfg.trainer.logger,

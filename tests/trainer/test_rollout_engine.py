@@ -136,34 +136,45 @@ def test_logprobs_agree_with_the_trainers_recomputation(qwen, sampling):
         )
 
 
-def test_requests_from_another_loop_cross_in_batches_and_one_can_be_cancelled(qwen):
-    """The fit loop's requests (generate_async from its own loop): the prompts asked in one turn get the
-    tokens one batch call gives, prompt by prompt, and a request cancelled by its caller ends without its
-    answer while the others finish."""
+@pytest.mark.parametrize("home", ["fit loop", "own thread"])
+def test_async_requests_get_the_tokens_of_one_batch_call_and_one_can_be_cancelled(qwen, home):
+    """The fit loop's requests (generate_async), with the manager on that loop (the trainer's way) or on
+    its own thread: the prompts get the tokens one blocking batch call gives, prompt by prompt, and a
+    request cancelled by its caller ends without its answer while the others finish. On the fit loop
+    the blocking form is refused (it would wait on the loop it blocks)."""
     model, tok = qwen
-    replica = LocalReplica(EngineWorker(engine_for(model, tok)), with_text=False)
-    manager = RolloutManager(ReplicaPool([replica]), pad_id=tok.pad_token_id)
     sampling = SamplingParams(temperature=0.8, max_new_tokens=12, n=2, seed=5)
     prompts = encode(tok)
 
-    async def fit_loop():
-        asked = [
-            manager.generate_async([p], sampling, first_index=i) for i, p in enumerate(prompts)
-        ]  # coroutines: each crosses when the gather below starts it
-        together = await asyncio.gather(*asked)
-        long = asyncio.ensure_future(
-            manager.generate_async([prompts[0]], SamplingParams(max_new_tokens=80, ignore_eos=True))
-        )
-        short = asyncio.ensure_future(manager.generate_async([prompts[1]], sampling, first_index=1))
-        await asyncio.sleep(0.05)
-        long.cancel()
-        return together, await short, await asyncio.gather(long, return_exceptions=True)
+    def manager_on(loop):
+        replica = LocalReplica(EngineWorker(engine_for(model, tok)), with_text=False)
+        return RolloutManager(ReplicaPool([replica]), pad_id=tok.pad_token_id, loop=loop)
 
+    async def fit_loop():
+        manager = manager_on(asyncio.get_running_loop() if home == "fit loop" else None)
+        try:
+            together = await asyncio.gather(
+                *(manager.generate_async([p], sampling, first_index=i) for i, p in enumerate(prompts))
+            )
+            long = asyncio.ensure_future(
+                manager.generate_async([prompts[0]], SamplingParams(max_new_tokens=80, ignore_eos=True))
+            )
+            short = asyncio.ensure_future(manager.generate_async([prompts[1]], sampling, first_index=1))
+            await asyncio.sleep(0.05)
+            long.cancel()
+            if home == "fit loop":
+                with pytest.raises(RuntimeError, match="blocking calls cannot run on its own event loop"):
+                    manager.generate(prompts, sampling)
+            return together, await short, await asyncio.gather(long, return_exceptions=True)
+        finally:
+            await manager.close_async()
+
+    together, short, (cancelled,) = asyncio.run(fit_loop())
+    blocking = manager_on(None)
     try:
-        together, short, (cancelled,) = asyncio.run(fit_loop())
-        alone = manager.generate(prompts, sampling)
+        alone = blocking.generate(prompts, sampling)
     finally:
-        manager.close()
+        blocking.close()
     tokens = [[r.response_ids for r in group] for group in together]  # logprobs vary with the batch's rows
     assert [t for group in tokens for t in group] == [r.response_ids for r in alone]
     assert [r.prompt_index for group in together for r in group] == [r.prompt_index for r in alone]

@@ -6,9 +6,10 @@ The replicas are the policy ranks' colocated engines (in this process, or in Ray
 servers (SGLang's HTTP API). Each prompt is its own request, so a prompt whose samples finish early
 never waits on another's, and the fit loop scores each prompt's group as soon as it is back; the agent
 loop sends every turn of a trajectory through the same pool, to the replica of its first turn. The pool
-is async and lives on the manager's own event-loop thread: `generate_async()` awaits the work from the
-fit loop's event loop without blocking it (the calls of one turn of that loop cross in one hand-over,
-the answers of one turn of the manager's come back in one: `Crossing`); `generate()` is the blocking form.
+is async and lives on the fit loop's event loop (`loop=`): the loop's requests, the agent loop's turns
+and the replicas' answers never change threads (two threads handing each request over took turns at
+the GIL: at 4 GPUs the last of 256 prompts reached the ranks ~0.4 s after the first, py-spy). Built
+without a loop, the manager runs one on its own thread, for blocking callers (`generate()`).
 
 Weights: the policy ranks sync their colocated engines themselves (a collective inside the group);
 for rollout servers the manager sends a checkpoint written to `weights_dir`
@@ -34,7 +35,6 @@ import os
 import shutil
 import tempfile
 import threading
-import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -66,23 +66,27 @@ class RolloutManager:
         weights_dir: str | None = None,
         config_dir: str | None = None,
         servers=None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """pad_id: what TrainBatch pads with. weights_dir: where checkpoints for HTTP replicas go
         (default: a temporary folder, in /dev/shm when it exists). config_dir: the model folder whose
         config.json (and tokenizer files) such a checkpoint needs when load_weights gets a state dict.
-        servers: launcher.RolloutServers this manager started; close() stops them."""
+        servers: launcher.RolloutServers this manager started; close() stops them. loop: the running loop
+        to live on (the fit loop's: its requests then need no other thread); without it the manager runs
+        its own loop on a thread, for blocking callers."""
         self.pool, self.pad_id = pool, pad_id
         self.servers = servers
         self.config_dir = config_dir
         self._weights_dir = weights_dir
         self._temporary_weights_dir: str | None = None  # made at the first write when none was named
         self._last_checkpoint: str | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-manager", daemon=True)
-        self._thread.start()
-        self._crossings: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Crossing] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        if loop is None:
+            loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=loop.run_forever, name="rollout-manager", daemon=True)
+            self._thread.start()
+        self._loop = loop
 
     # -------------------------------------------------------------------------------- rollouts
 
@@ -99,7 +103,7 @@ class RolloutManager:
     ) -> list[Rollout]:
         """n samples of each prompt; prompt i is number first_index + i of its batch (its prompt_index,
         and its seed's). key: route every request with this key to one replica (a trajectory's turns)."""
-        return await self._crossing().run(self._generate(prompt_ids, sampling, first_index, key))
+        return await self._here(self._generate(prompt_ids, sampling, first_index, key))
 
     def forget(self, keys: Sequence[str]) -> None:
         """These routing keys are done (finished trajectories)."""
@@ -107,26 +111,35 @@ class RolloutManager:
 
     async def release_memory_async(self, tags: Sequence[str] | None = None) -> None:
         """SGLang's memory tags: "kv_cache", "weights"; None: both."""
-        await asyncio.wrap_future(
-            self._submit(self.pool.broadcast(lambda r: r.release_memory_occupation(tags)))
-        )
+        await self._here(self.pool.broadcast(lambda r: r.release_memory_occupation(tags)))
 
     async def resume_memory_async(self, tags: Sequence[str] | None = None) -> None:
-        await asyncio.wrap_future(
-            self._submit(self.pool.broadcast(lambda r: r.resume_memory_occupation(tags)))
-        )
+        await self._here(self.pool.broadcast(lambda r: r.resume_memory_occupation(tags)))
 
     def load_weights(self, state_dict_or_model) -> None:
         """Send the policy's current weights to every replica."""
         self._run(self._load_weights(state_dict_or_model))
 
+    async def load_weights_async(self, state_dict_or_model) -> None:
+        await self._here(self._load_weights(state_dict_or_model))
+
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self.pool.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._loop.close()
+        if not self._closed:
+            self._run(self.pool.close())
+            self._stop()
+
+    async def close_async(self) -> None:
+        if not self._closed:
+            await self._here(self.pool.close())
+            self._stop()
+
+    def _stop(self) -> None:
+        self._closed = True
+        if self._thread is not None:  # its own loop: stopped and closed (a loop it was given stays)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
+            self._thread = None
         if self.servers is not None:
             self.servers.stop()
         if self._temporary_weights_dir is not None:  # a full copy of the model, in /dev/shm where it can
@@ -134,19 +147,23 @@ class RolloutManager:
 
     # -------------------------------------------------------------------------------- internals
 
-    def _crossing(self) -> Crossing:
-        caller = asyncio.get_running_loop()
-        crossing = self._crossings.get(caller)
-        if crossing is None:
-            crossing = self._crossings[caller] = Crossing(caller, self._loop)
-        return crossing
+    async def _here(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await coro on the manager's loop: directly from it, else handed to its thread."""
+        if asyncio.get_running_loop() is self._loop:
+            return await coro
+        return await asyncio.wrap_future(self._submit(coro))
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("RolloutManager's blocking calls cannot run on its own event-loop thread")
+        try:
+            on_own_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs in this thread
+            on_own_loop = False
+        if on_own_loop:
+            coro.close()
+            raise RuntimeError("RolloutManager's blocking calls cannot run on its own event loop")
         return self._submit(coro).result()
 
     async def _generate(
@@ -229,66 +246,6 @@ class RolloutManager:
         return str(folder)
 
 
-class Crossing:
-    """Coroutines run on the manager's loop for callers on another loop, in batches both ways: the calls
-    made in one turn of the caller's loop cross in one hand-over, and the results that finish in one turn
-    of the manager's loop come back in one. A hand-over a call kept the two threads waking each other for
-    the GIL: a batch of 256 prompts reached the replicas over ~0.4 s (4 x H200, py-spy), and the agent
-    loop makes a call per turn of every trajectory."""
-
-    def __init__(self, caller: asyncio.AbstractEventLoop, manager: asyncio.AbstractEventLoop) -> None:
-        self.caller, self.manager = caller, manager
-        self._outgoing: list[tuple[Coroutine, asyncio.Future, list]] = []  # the caller's loop's alone
-        self._incoming: list[tuple[asyncio.Future, asyncio.Task]] = []  # the manager's loop's alone
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-        """Await it on the caller's loop; cancelling that cancels the coroutine's task."""
-        future, task = self.caller.create_future(), []  # the task, once the manager's loop made it
-        future.add_done_callback(lambda f: f.cancelled() and self.manager.call_soon_threadsafe(_cancel, task))
-        if not self._outgoing:
-            self.caller.call_soon(self._send)
-        self._outgoing.append((coro, future, task))
-        return future
-
-    def _send(self) -> None:  # caller's loop
-        batch, self._outgoing = self._outgoing, []
-        self.manager.call_soon_threadsafe(self._start, batch)
-
-    def _start(self, batch: list[tuple[Coroutine, asyncio.Future, list]]) -> None:  # manager's loop
-        for coro, future, task in batch:
-            if future.cancelled():  # before it crossed
-                coro.close()
-                continue
-            task.append(self.manager.create_task(coro))
-            task[0].add_done_callback(lambda done, future=future: self._finished(future, done))
-
-    def _finished(self, future: asyncio.Future, task: asyncio.Task) -> None:  # manager's loop
-        if not self._incoming:
-            self.manager.call_soon(self._return)
-        self._incoming.append((future, task))
-
-    def _return(self) -> None:  # manager's loop
-        batch, self._incoming = self._incoming, []
-        self.caller.call_soon_threadsafe(self._resolve, batch)
-
-    @staticmethod
-    def _resolve(batch: list[tuple[asyncio.Future, asyncio.Task]]) -> None:  # caller's loop
-        for future, task in batch:
-            if future.done():  # cancelled by its caller
-                continue
-            if task.cancelled():
-                future.cancel()
-            elif task.exception() is not None:
-                future.set_exception(task.exception())
-            else:
-                future.set_result(task.result())
-
-
-def _cancel(task: list[asyncio.Task]) -> None:
-    if task:
-        task[0].cancel()
-
-
 def _in_process(replica: Replica) -> bool:
     from trainer.rollout.local import LocalReplica
 
@@ -307,6 +264,7 @@ def http_manager(
     token: str | None = None,
     servers=None,
     weights_dir: str | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
     **pool_kwargs,
 ) -> RolloutManager:
     """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close()).
@@ -316,7 +274,7 @@ def http_manager(
 
     pool = ReplicaPool([HttpReplica(u, token=token) for u in urls], **pool_kwargs)
     return RolloutManager(
-        pool, pad_id=pad_id, config_dir=config_dir, servers=servers, weights_dir=weights_dir
+        pool, pad_id=pad_id, config_dir=config_dir, servers=servers, weights_dir=weights_dir, loop=loop
     )
 
 
@@ -351,14 +309,16 @@ def build_rollout(
     seeded: bool = True,
     weights_dir: str | None = None,
     startup_timeout_s: float = 900.0,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> RolloutManager:
     """The run's rollout manager: over the policy ranks' colocated engines (`replicas`: hf, builtin), or
     over SGLang servers (the given URLs, or one started per GPU group here and stopped by close()).
     `seeded`: the loop sends sampling_seed (it always does), so started SGLang servers run with
     --enable-deterministic-inference; servers given by URL are checked by the client instead.
-    `weights_dir`: the folder weight checkpoints for the servers are written to (created here)."""
+    `weights_dir`: the folder weight checkpoints for the servers are written to (created here).
+    `loop`: the running loop the manager lives on (RolloutManager)."""
     if name in ("hf", "builtin"):
-        return RolloutManager(ReplicaPool(list(replicas)), pad_id=pad_id)
+        return RolloutManager(ReplicaPool(list(replicas)), pad_id=pad_id, loop=loop)
     if name == "sglang":
         from trainer.rollout.launcher import sglang_servers
 
@@ -386,6 +346,11 @@ def build_rollout(
                 WEIGHTS_DIR_ENV,
             )
         return http_manager(
-            list(server_urls), pad_id=pad_id, config_dir=model_path, servers=servers, weights_dir=weights_dir
+            list(server_urls),
+            pad_id=pad_id,
+            config_dir=model_path,
+            servers=servers,
+            weights_dir=weights_dir,
+            loop=loop,
         )
     raise ValueError(f"rollout.name must be hf, builtin or sglang, not {name!r}")
