@@ -16,7 +16,6 @@ advantages, ...) lines up with `input_ids[:, P:]`. Stages fill the optional fiel
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trainer.rollout.base import Rollout
+from trainer.rollout.base import Rollout, concatenated
 
 
 @dataclass(frozen=True)
@@ -202,6 +201,4 @@ def _ragged_positions(lengths: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _flat(rows: list[list], dtype: np.dtype) -> Tensor:
-    """The rows' values end to end (numpy reads a list's numbers ~3.5x faster than torch.tensor)."""
-    count = sum(len(row) for row in rows)
-    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=count))
+    return torch.from_numpy(concatenated(rows, dtype))
