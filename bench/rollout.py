@@ -147,10 +147,10 @@ def tune_kernels(batch: int = 256, length: int = 256, context: int = 384) -> dic
     seeds = torch.arange(batch, device="cuda")
     last = torch.zeros(batch + 1, dtype=torch.int64, device="cuda")
     default = dict(kernels.SAMPLE_CONFIG)
-    for block, warps in [(2048, 8), (1024, 4), (4096, 8), (4096, 16), (8192, 16)]:
-        kernels.SAMPLE_CONFIG.update(BLOCK=block, num_warps=warps)
+    for block, warps, splits in [(2048, 8, 1), (2048, 8, 16), (2048, 8, 32), (1024, 4, 32), (4096, 8, 16)]:
+        kernels.SAMPLE_CONFIG.update(BLOCK=block, num_warps=warps, SPLITS=splits)
         ms = triton.testing.do_bench(lambda: kernels.fused_sample(logits, temps, seeds, None, slots, last))
-        timings[f"sample BLOCK={block} warps={warps}"] = ms * 1000
+        timings[f"sample BLOCK={block} warps={warps} SPLITS={splits}"] = ms * 1000
     kernels.SAMPLE_CONFIG.update(default)
     for name, us in timings.items():
         print(f"  {name}: {us:.1f} us", flush=True)

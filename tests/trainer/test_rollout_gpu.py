@@ -42,7 +42,7 @@ if kernels.triton is not None:
         mass = tl.where(raw >= float("-inf"), tl.exp(raw - top), 0.0)  # as _inverse_cdf computes it
         scan_end = tl.max(tl.cumsum(mass, 0), 0)
         tl.store(gap_ptr + row, (scan_end < tl.sum(mass, 0)).to(tl.int32))
-        token = _inverse_cdf(base, scan_end, float("-inf"), 1.0, top, 0, BLOCK, BLOCK)
+        token = _inverse_cdf(base, 0, BLOCK, scan_end, float("-inf"), 1.0, top, 0, BLOCK)
         tl.store(token_ptr + row, token.to(tl.int64))
 
 

@@ -106,6 +106,31 @@ def check_kernels(device: str, dtype: torch.dtype, atol: float) -> None:
     floors = torch.full((rows,), float(logits[0].float().topk(3).values[-1]), device=device)
     tokens, _ = kernels.fused_sample(logits, temps, seeds, floors, row_slots, last)
     assert set(tokens.tolist()) <= set(logits[0].float().topk(3).indices.tolist())
+    # the vocabulary in splits (a first-pass program each, the draw's split found from their masses):
+    # the same tokens and logprobs as one program a row, with and without a floor
+    rows, vocab = 48, 700
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(device, dtype)
+    temps, row_slots = torch.full((rows,), 0.8, device=device), torch.arange(rows, device=device)
+    temps[:4] = 0
+    seeds = torch.from_numpy(token_seeds(np.arange(rows), np.ones(rows, dtype=np.int64))).to(device)
+    floors = logits.float().topk(40, dim=-1).values[:, -1].contiguous()
+    saved = dict(kernels.SAMPLE_CONFIG)
+    drawn = {}
+    try:
+        for splits in (1, 5):
+            kernels.SAMPLE_CONFIG.update(BLOCK=64, SPLITS=splits)
+            for floor in (None, floors):
+                last = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+                drawn[splits, floor is None] = kernels.fused_sample(
+                    logits, temps, seeds, floor, row_slots, last
+                )
+    finally:
+        kernels.SAMPLE_CONFIG.update(saved)
+    for no_floor in (True, False):
+        (one, one_lp), (split, split_lp) = drawn[1, no_floor], drawn[5, no_floor]
+        assert torch.equal(split, one)
+        torch.testing.assert_close(split_lp, one_lp, atol=1e-5, rtol=0)
+    assert bool((logits.float().gather(-1, drawn[5, False][0][:, None])[:, 0] >= floors).all())
 
 
 def check_fused_engine(device: str) -> None:
