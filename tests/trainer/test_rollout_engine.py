@@ -147,7 +147,9 @@ def test_async_requests_get_the_tokens_of_one_batch_call_and_one_can_be_cancelle
     prompts = encode(tok)
 
     def manager_on(loop):
-        replica = LocalReplica(EngineWorker(engine_for(model, tok)), with_text=False)
+        # a context long enough that the request cancelled below is still running 50 ms in, on any machine
+        engine = engine_for(model, tok, context_length=1024)
+        replica = LocalReplica(EngineWorker(engine), with_text=False)
         return RolloutManager(ReplicaPool([replica]), pad_id=tok.pad_token_id, loop=loop)
 
     async def fit_loop():
@@ -157,7 +159,7 @@ def test_async_requests_get_the_tokens_of_one_batch_call_and_one_can_be_cancelle
                 *(manager.generate_async([p], sampling, first_index=i) for i, p in enumerate(prompts))
             )
             long = asyncio.ensure_future(
-                manager.generate_async([prompts[0]], SamplingParams(max_new_tokens=80, ignore_eos=True))
+                manager.generate_async([prompts[0]], SamplingParams(max_new_tokens=1000, ignore_eos=True))
             )
             short = asyncio.ensure_future(manager.generate_async([prompts[1]], sampling, first_index=1))
             await asyncio.sleep(0.05)
