@@ -162,12 +162,23 @@ class DecodeRunner:
         self.inputs[1, :width] = 1
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             self._decode(width)
+            side.synchronize()
+            # Captured with capture_begin / capture_end, not torch.cuda.graph(): that synchronizes the
+            # device and empties its memory cache and the pinned host cache at every capture, and the
+            # engine captures its buckets again after each KV resume (13 in a training step's rollout),
+            # so the pinned blocks the trainer's batches travel through were freed (~1,100 cudaFreeHost,
+            # ~350 ms a step in a profile) and allocated again by the next update. A 1-GPU GRPO step's
+            # generation took 0.89-0.91 s against 1.01 (bench/scaling.py, H200); the KV release, outside
+            # it, now empties what the captures emptied before.
+            graph.capture_begin(pool=self.pool)
+            try:
+                self._decode(width)
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._decode(width)
         self.graphs[width] = graph
         return graph
 
