@@ -193,7 +193,7 @@ def taught_run_keys(
         "data.max_prompt_length=128",
         f"data.max_response_length={response_length}",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.optim.lr=1e-4",  # 1e-3 undid the teaching in one step on some CPUs
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={tool_tokens}",
