@@ -86,7 +86,7 @@ def loss_settings(mode: str) -> PolicyLossSettings:
 
 
 def policy_settings(
-    model_dir, mode="token-mean", engine=None, remove_padding=True, budget=None
+    model_dir, mode="token-mean", engine=None, remove_padding=True, budget=None, context=64
 ) -> PolicyRankSettings:
     """engine: the colocated engine's name (builtin, hf), None for none; budget: use_dynamic_bsz's
     tokens per micro-batch (update and logprobs), None for sequence counts."""
@@ -97,7 +97,7 @@ def policy_settings(
         update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH, token_budget=tokens),
         loss=loss_settings(mode),
         log_prob_micro_batch_size=tokens or 2,
-        engine=EngineSettings(name=engine, context_length=64) if engine else None,
+        engine=EngineSettings(name=engine, context_length=context) if engine else None,
     )
 
 
@@ -274,7 +274,7 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
     from trainer.rollout.manager import RolloutManager
     from trainer.rollout.pool import ReplicaPool
 
-    group, pool = policy_group(model_dir, nnodes=2, engine=name)
+    group, pool = policy_group(model_dir, nnodes=2, engine=name, context=2048)
     engine = RolloutManager(ReplicaPool(group.replicas()), pad_id=0)
     asyncio.run(engine.resume_memory_async(("kv_cache",)))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -306,6 +306,19 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
         sampled = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=6, n=4)
         engine_logprobs, policy_logprobs = generated_vs_policy(engine.generate(prompts, sampled))
         torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
+
+        # a request its caller cancels stops on the rank too (as after a failed round): the engines can
+        # then release their KV caches, which they refuse while a request runs
+        async def cancel_then_release():
+            long = SamplingParams(max_new_tokens=2000, ignore_eos=True)
+            request = asyncio.ensure_future(engine.generate_async([prompts[0]], long))
+            await asyncio.sleep(0.5)
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+            await engine.release_memory_async(("kv_cache",))
+            return request.cancelled()
+
+        assert asyncio.run(cancel_then_release())
     finally:
         engine.close()
         close(group, pool)

@@ -20,8 +20,8 @@ cluster (`rank_failure`): a lost node is what a multi-node user needs to see fir
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -169,6 +169,10 @@ class RankActor:
         self.profiler = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_lock = threading.Lock()
+        # rollouts_many's requests by (batch, position), and cancellations that came before their batch
+        self.requests: dict[int, list[asyncio.Task]] = {}
+        self.cancelled_early: dict[int, set[int]] = {}
+        self.last_batch = -1
 
     def node_address(self) -> tuple[str, int]:
         import ray
@@ -200,29 +204,70 @@ class RankActor:
             getattr(self.role.replica, method)(*args, **kwargs), self._replica_loop()
         ).result()
 
-    def rollouts_many(self, calls: list[tuple]):
+    def rollouts_many(self, calls: list[tuple], batch: int = 0):
         """Several `rollouts` calls of this rank's replica at once, all started before any is awaited;
         yields, for the calls finished since the last yield, (positions, rollouts per call, their rollouts
         packed, (position, error) of the failed). RankReplica sends the requests the manager made in one
         turn of its event loop this way: the engine gets a batch's prompts together instead of one Ray call
         at a time (spread over ~0.1-0.2 s at 4 ranks, so its last prompts started late), and each prompt's
         group still comes back as soon as it is done (a Ray streaming generator), in one message with the
-        others that ended with it."""
+        others that ended with it. `batch` names the call for `cancel_rollouts`."""
         loop = self._replica_loop()
         replica = self.role.replica
-        position = {
-            asyncio.run_coroutine_threadsafe(replica.rollouts(*args), loop): i for i, args in enumerate(calls)
-        }
-        pending = set(position)
-        while pending:
-            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            served = [f for f in done if f.exception() is None]
-            yield (
-                [position[f] for f in served],
-                [len(f.result()) for f in served],
-                pack_rollouts([rollout for f in served for rollout in f.result()]),
-                [(position[f], f.exception()) for f in done if f.exception() is not None],
-            )
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def start() -> list[asyncio.Task]:
+            tasks = [asyncio.ensure_future(replica.rollouts(*args)) for args in calls]
+            for position, task in enumerate(tasks):
+                task.add_done_callback(lambda _, position=position: finished.put(position))
+            return tasks
+
+        tasks = asyncio.run_coroutine_threadsafe(start(), loop).result()
+        with self.loop_lock:
+            self.requests[batch], self.last_batch = tasks, max(self.last_batch, batch)
+            early = self.cancelled_early.pop(batch, set())
+        if early:
+            self.cancel_rollouts([(batch, position) for position in early])
+        try:
+            remaining = len(tasks)
+            while remaining:  # each wake-up takes every answer that is in by then
+                done = [finished.get()]
+                while not finished.empty():
+                    done.append(finished.get())
+                remaining -= len(done)
+                answered = [i for i in done if not tasks[i].cancelled()]
+                served = [i for i in answered if tasks[i].exception() is None]
+                yield (
+                    served,
+                    [len(tasks[i].result()) for i in served],
+                    pack_rollouts([rollout for i in served for rollout in tasks[i].result()]),
+                    [(i, tasks[i].exception()) for i in answered if tasks[i].exception() is not None],
+                )
+        finally:
+            with self.loop_lock:
+                self.requests.pop(batch, None)
+
+    def cancel_rollouts(self, requests: list[tuple[int, int]]) -> None:
+        """Cancel requests the driver gave up on, by (batch, position), and return once each has ended (its
+        engine work aborted): the KV release after a failed round then finds no request running. A
+        cancellation may arrive before its batch (Ray does not order a threaded actor's calls): it is
+        kept until the batch starts."""
+        tasks = []
+        with self.loop_lock:
+            for batch, position in requests:
+                if batch in self.requests:
+                    tasks.append(self.requests[batch][position])
+                elif batch > self.last_batch:
+                    self.cancelled_early.setdefault(batch, set()).add(position)
+        if not tasks:
+            return
+
+        async def cancel() -> None:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+
+        asyncio.run_coroutine_threadsafe(cancel(), self._replica_loop()).result()
 
     def _replica_loop(self) -> asyncio.AbstractEventLoop:
         with self.loop_lock:
@@ -377,6 +422,9 @@ class RankReplica:
         self._waiting: list[tuple[tuple, asyncio.Future]] = []
         self._sending: set[asyncio.Task] = set()  # held until done (the loop keeps only weak references)
         self.batches = 0  # streaming calls sent (requests arrive in fewer, larger batches than one each)
+        self._sent: dict[asyncio.Future, tuple[int, int]] = {}  # a sent request's (batch, position)
+        self._cancels: list[tuple[int, int]] = []  # requests given up on this turn, for the rank to stop
+        self._cancelling: set[asyncio.Task] = set()
 
     async def rollouts(self, payload: dict, prompt_index: int):
         loop = asyncio.get_running_loop()
@@ -384,9 +432,15 @@ class RankReplica:
         if not self._waiting:  # the first request of this turn: send the turn's requests once it is over
             loop.call_soon(self._send_turn)
         self._waiting.append(((payload, prompt_index), future))
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller gave up: the rank stops generating it too
+            self._give_up(future)
+            raise
 
     async def release_memory_occupation(self, tags=None) -> None:
+        if self._cancelling:  # the rank's engine must have stopped what was cancelled before it releases
+            await asyncio.gather(*self._cancelling, return_exceptions=True)
         await self._call("release_memory_occupation", tags)
 
     async def resume_memory_occupation(self, tags=None) -> None:
@@ -400,12 +454,33 @@ class RankReplica:
 
     def _send_turn(self) -> None:
         waiting, self._waiting = self._waiting, []
+        if not waiting:  # every request of the turn was cancelled before it went
+            return
         self.batches += 1
-        task = asyncio.ensure_future(self._send([args for args, _ in waiting], [f for _, f in waiting]))
+        futures = [f for _, f in waiting]
+        self._sent |= {future: (self.batches, position) for position, future in enumerate(futures)}
+        task = asyncio.ensure_future(self._send([args for args, _ in waiting], futures, self.batches))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _send(self, calls: list[tuple], futures: list[asyncio.Future]) -> None:
+    def _give_up(self, future: asyncio.Future) -> None:
+        """A request's caller cancelled it: not sent yet, it is not sent; else the rank is told (the
+        cancellations of one turn in one call)."""
+        self._waiting = [(args, f) for args, f in self._waiting if f is not future]
+        if future not in self._sent:
+            return
+        if not self._cancels:
+            asyncio.get_running_loop().call_soon(self._send_cancels)
+        self._cancels.append(self._sent.pop(future))
+
+    def _send_cancels(self) -> None:
+        cancels, self._cancels = self._cancels, []
+        call = self.actor.cancel_rollouts.options(concurrency_group=REPLICA_CALLS).remote(cancels)
+        task = asyncio.ensure_future(_settled(call))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _send(self, calls: list[tuple], futures: list[asyncio.Future], batch: int) -> None:
         from ray.exceptions import RayActorError
 
         from trainer.rollout.client import ReplicaDown
@@ -413,7 +488,7 @@ class RankReplica:
         failure: BaseException = RuntimeError(f"{self.name} ended a batch of requests without answering all")
         try:
             many = self.actor.rollouts_many.options(concurrency_group=REPLICA_CALLS)
-            async for ref in many.remote(calls):
+            async for ref in many.remote(calls, batch):
                 positions, counts, packed, errors = await ref
                 rollouts, start = unpack_rollouts(packed), 0
                 for index, count in zip(positions, counts):
@@ -428,6 +503,7 @@ class RankReplica:
         except Exception as exc:  # noqa: BLE001 - it fails this turn's requests, not the manager's loop
             failure = exc
         for future in futures:
+            self._sent.pop(future, None)
             if not future.done():
                 future.set_exception(failure)
 
@@ -440,6 +516,14 @@ class RankReplica:
             return await self.actor.replica.options(concurrency_group=REPLICA_CALLS).remote(method, *args)
         except RayActorError as exc:
             raise ReplicaDown(f"{self.name}: {_first_line(exc)}") from exc
+
+
+async def _settled(call) -> None:
+    """Await a Ray call whose failure changes nothing (a cancellation the rank may no longer hear)."""
+    try:
+        await call
+    except Exception:  # noqa: BLE001 - a rank that is gone has nothing left to stop
+        pass
 
 
 def rank_failure(
