@@ -220,6 +220,16 @@ if triton is not None:
         return sampled
 
     @triton.jit
+    def _row_sampling(temperature_ptr, floor_ptr, row, HAS_FLOOR: tl.constexpr):
+        """A row's (greedy, 1 / T (1 when greedy), top-k / top-p floor on the raw logits)."""
+        temperature = tl.load(temperature_ptr + row)
+        greedy = temperature == 0.0
+        floor = float("-inf")
+        if HAS_FLOOR:
+            floor = tl.load(floor_ptr + row)
+        return greedy, tl.where(greedy, 1.0, 1.0 / temperature), floor
+
+    @triton.jit
     def _sample_partials_kernel(
         logits_ptr,
         stride_row,
@@ -239,11 +249,7 @@ if triton is not None:
         over all and over kept entries, and its argmax."""
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
-        temperature = tl.load(temperature_ptr + row)
-        inv_t = tl.where(temperature == 0.0, 1.0, 1.0 / temperature)
-        floor = float("-inf")
-        if HAS_FLOOR:
-            floor = tl.load(floor_ptr + row)
+        _, inv_t, floor = _row_sampling(temperature_ptr, floor_ptr, row, HAS_FLOOR)
         base = logits_ptr + row * stride_row
         begin = split * CHUNK
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -298,12 +304,7 @@ if triton is not None:
         """The row's splits combined: logsumexp and argmax; then the draw, whose split is found from the
         splits' kept masses, and whose entry from a scan of that split alone."""
         row = tl.program_id(0).to(tl.int64)
-        temperature = tl.load(temperature_ptr + row)
-        greedy = temperature == 0.0
-        inv_t = tl.where(greedy, 1.0, 1.0 / temperature)
-        floor = float("-inf")
-        if HAS_FLOOR:
-            floor = tl.load(floor_ptr + row)
+        greedy, inv_t, floor = _row_sampling(temperature_ptr, floor_ptr, row, HAS_FLOOR)
         base = logits_ptr + row * stride_row
         splits = tl.arange(0, SPLITS_P2)
         valid = splits < SPLITS
