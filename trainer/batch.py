@@ -185,10 +185,12 @@ HOST_FIELDS = ("prompt_lengths", "response_lengths")
 
 def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
     """`tensor` on `device`. From the host to a GPU the copy goes through pinned memory without blocking:
-    a pageable copy waits for all the work already queued on the device (a sync per tensor)."""
+    a pageable copy waits for all the work already queued on the device (a sync per tensor). A view
+    (a trimmed micro-batch's columns) is made contiguous first: pinned but strided, the copy would make
+    its own contiguous copy in pageable memory and wait after all (74 ms a micro-batch in a profile)."""
     device = torch.device(device)
     if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        return tensor.contiguous().pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
 
 
