@@ -114,6 +114,11 @@ OPTIONS = {  # --option value -> config overrides
         f"actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype={dtype}",
     ],
     "tools": lambda name: TOOLS[name],
+    # fsdp_config.reshard_after_forward of the policy: off keeps each layer's gathered parameters from its
+    # forward to its backward (one all-gather a layer a micro-batch instead of two; ~1 GB held at 0.5B)
+    "reshard": lambda on: [
+        f"actor_rollout_ref.actor.fsdp_config.reshard_after_forward={SWITCHES.get(on, on)}"
+    ],
 }
 
 
@@ -607,6 +612,7 @@ def main() -> None:
     parser.add_argument("--engine", default=None, help="A/B: builtin,hf (rollout.name)")
     parser.add_argument("--gathers", default=None, help="A/B: bf16,fp32 (fsdp mixed_precision.param_dtype)")
     parser.add_argument("--tools", default=None, help="A/B: off,search (Search-R1 search tool calls)")
+    parser.add_argument("--reshard", default=None, help="A/B: on,off (policy reshard_after_forward)")
     parser.add_argument("--teach-steps", type=int, default=None, help="--tools search: default per shape")
     parser.add_argument("--teach-lr", type=float, default=None, help="--tools search: default per shape")
     parser.add_argument(
