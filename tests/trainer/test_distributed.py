@@ -106,7 +106,7 @@ def policy_group(model_dir, nnodes: int, **settings) -> PolicyGroup:
 
     pool = ResourcePool(nnodes, 1, use_gpu=False)
     build = functools.partial(PolicyRank, policy_settings(model_dir, **settings))
-    ranks = RayRanks(pool, build, role="policy", share=1.0, seed=0)
+    ranks = RayRanks(pool, build, role="policy", seed=0)
     return PolicyGroup(ranks, mini_batch_size=MINI_BATCH), pool
 
 
@@ -247,7 +247,7 @@ def test_two_critic_ranks_give_the_value_update_of_one_process(cluster, model_di
         forward_micro_batch_size=2,
     )
     pool = ResourcePool(2, 1, use_gpu=False)
-    ranks = RayRanks(pool, functools.partial(CriticRank, settings), role="critic", share=1.0, seed=0)
+    ranks = RayRanks(pool, functools.partial(CriticRank, settings), role="critic", seed=0)
     group = CriticGroup(ranks, mini_batch_size=MINI_BATCH)
     try:
         group.save(str(tmp_path / "start"))
@@ -442,15 +442,17 @@ def test_fit_on_two_ranks_dies_cleanly_and_resumes_on_one_process(cluster, model
         try:
             assert run.world_size == 2 and run.policy.remote
             pids.extend(run.policy.ranks.pids)
+            assert run.reference.ranks.pids == pids  # colocated roles: one process a rank
             pid_file.write_text(str(pids[1]))
             await train(run)
         finally:
             await close_run(run)
 
-    # rank 1 is killed while step 3 scores its responses: the step fails in the policy's next call,
-    # rank 0 (blocked in a collective with the dead rank) is shut down instead of hanging
+    # rank 1's process (its policy and reference ranks) is killed while step 3 scores its responses: the
+    # step fails in the next call to it, the reference's; rank 0 (blocked in a collective with the dead
+    # rank) is shut down instead of hanging
     with pytest.raises(
-        TrainingAborted, match=r"policy rank 1 of 2 failed.*last usable checkpoint: .*global_step_2"
+        TrainingAborted, match=r"reference rank 1 of 2 failed.*last usable checkpoint: .*global_step_2"
     ):
         asyncio.run(train_until_killed())
     assert process_ends(pids[0], within_s=120)
@@ -497,7 +499,8 @@ def test_fit_on_two_ranks_generates_with_their_builtin_engines(cluster, model_di
     steps = logged_steps(tmp_path)
     assert sorted(steps) == [1, 2]
     profiles = tmp_path / "run" / "profile"
-    expected = {"step_2"} | {f"step_2_{role}_rank{r}" for role in ("policy", "reference") for r in (0, 1)}
+    # one trace a rank process, named after its first role: the reference's rank lives in the policy's
+    expected = {"step_2"} | {f"step_2_policy_rank{r}" for r in (0, 1)}
     assert {p.name.removesuffix(".txt") for p in profiles.glob("*.txt")} == expected
     assert {p.name.removesuffix(".json") for p in profiles.glob("*.json")} == expected
     # a policy rank's table holds its update: the backward ran inside the profiled step
@@ -509,8 +512,7 @@ def test_fit_on_two_ranks_generates_with_their_builtin_engines(cluster, model_di
     rows = {row["phase"]: row for row in trace_summary.summarize(profiles / "step_2_policy_rank1.json")}
     assert {"rank.update", "rank.sync_weights"} <= set(rows)
     assert 0 < rows["rank.update"]["wall_ms"] < rows["step (whole trace)"]["wall_ms"]
-    reference = trace_summary.summarize(profiles / "step_2_reference_rank1.json")
-    assert "rank.compute_logprobs" in {row["phase"] for row in reference}
+    assert "rank.compute_logprobs" in rows  # the reference's pass (on-policy: the policy runs none)
     for metrics in steps.values():
         # exactly on-policy: no old_log_prob pass; the update's forward measures the engine's gap
         assert "timing_s/old_log_prob" not in metrics

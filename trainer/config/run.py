@@ -47,8 +47,8 @@ class TrainerConfig(Section):
     )
     role_pools: Literal["colocated", "separate"] = Field(
         "colocated",
-        description="Ray runs: colocated shares every GPU between policy, rollout, reference and critic; "
-        "separate gives each role its own nnodes x n_gpus_per_node GPUs.",
+        description="Ray runs: colocated shares every GPU, and one process on it, between policy, rollout, "
+        "reference and critic; separate gives each role its own nnodes x n_gpus_per_node GPUs.",
     )
     balance_batch: bool = Field(
         True, description="Ray runs: deal rows to ranks balanced by tokens (false: in consecutive runs)."

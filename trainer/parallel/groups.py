@@ -221,11 +221,12 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
             ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu=device.type == "cuda")
             for _ in range(len(builds) if separate else 1)
         ]
-        share = 1.0 if separate else 1.0 / len(builds)
-        ranks = {
-            role: RayRanks(pools[i if separate else 0], build, role=role, share=share, seed=trainer.seed)
-            for i, (role, build) in enumerate(builds.items())
-        }
+        ranks = {}
+        for i, (role, build) in enumerate(builds.items()):  # colocated: the policy's processes host all
+            host = None if separate or i == 0 else ranks["policy"]
+            ranks[role] = RayRanks(
+                pools[i if separate else 0], build, role=role, seed=trainer.seed, host=host
+            )
     else:
         how, pools = "one rank in this process", []
         ranks = {

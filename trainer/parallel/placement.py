@@ -6,9 +6,11 @@ and answer `call_all`, so the role groups above them (trainer/parallel/groups.py
 `RankReplica` is a Ray policy rank's engine as a replica of the driver's rollout manager.
 
 Placement: `ResourcePool` reserves one bundle per GPU, as one placement group per node packed onto
-that node, so ranks 0..k-1 share node 0, and so on. Roles are colocated by default: every role's
-rank r takes a fraction of bundle r (the policy, its rollout engine, the reference and the critic
-share each GPU, as verl's hybrid engine does); giving roles separate pools puts them on separate GPUs.
+that node, so ranks 0..k-1 share node 0, and so on. Roles are colocated by default: rank r of every
+role lives in one process, the actor of bundle r (the policy, its rollout engine, the reference and
+the critic share each GPU and its memory, as verl's hybrid engine does: one CUDA context, one caching
+allocator, and a pass's freed memory is the next pass's); giving roles separate pools puts them on
+separate GPUs, in processes of their own.
 
 Failure: a Ray rank that dies or raises leaves its peers blocked in a collective. The ranks are waited
 for one at a time and the first failure stops them: the whole role is killed (so nothing hangs) and
@@ -166,7 +168,8 @@ class RankActor:
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool, seed: int) -> None:
         self.rank, self.world_size, self.use_gpu, self.seed = rank, world_size, use_gpu, seed
-        self.role = None
+        self.roles: dict[str, Any] = {}  # the rank objects of the roles colocated in this process
+        self.dp, self.device = None, None
         self.profiler = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_lock = threading.Lock()
@@ -180,19 +183,21 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, build: Callable, master_addr: str, master_port: int) -> int:
-        device = (
-            torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
-        )  # Ray set CUDA_VISIBLE_DEVICES
-        dp = init_data_parallel(
-            rank=self.rank,
-            world_size=self.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            device=device,
-        )
+    def setup(self, role: str, build: Callable, master_addr: str | None, master_port: int | None) -> int:
+        """Build `role`'s rank object here; the first role also joins the ranks' process group (the roles
+        after it share that group: their collectives are called in the same order on every rank)."""
+        if self.dp is None:
+            device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")  # Ray set the GPU
+            self.dp = init_data_parallel(
+                rank=self.rank,
+                world_size=self.world_size,
+                master_addr=master_addr,
+                master_port=master_port,
+                device=device,
+            )
+            self.device = device
         torch.manual_seed(self.seed + self.rank)
-        self.role = build(dp, device)
+        self.roles[role] = build(self.dp, self.device)
         # as the driver does (trainer/loop.py): a rank process holds ~440k long-lived objects (torch,
         # transformers, Ray; 0.22-0.25 s a full collection on a 2-core CPU), and a collection on one rank
         # holds every rank up at its next collective
@@ -200,14 +205,19 @@ class RankActor:
         gc.freeze()
         return os.getpid()
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, role: str, method: str, *args, **kwargs):
         with torch.profiler.record_function(f"rank.{method}"):  # the phase, in a profiled step's trace
-            return getattr(self.role, method)(*args, **kwargs)
+            return getattr(self.roles[role], method)(*args, **kwargs)
+
+    @property
+    def engine(self):
+        """The policy rank's engine replica (the rollout manager's calls go to it)."""
+        return self.roles["policy"].replica
 
     def replica(self, method: str, *args, **kwargs):
         """A call of the rollout manager on this rank's engine replica (a coroutine method of it)."""
         return asyncio.run_coroutine_threadsafe(
-            getattr(self.role.replica, method)(*args, **kwargs), self._replica_loop()
+            getattr(self.engine, method)(*args, **kwargs), self._replica_loop()
         ).result()
 
     def rollouts_many(self, calls: list[tuple], batch: int = 0):
@@ -219,7 +229,7 @@ class RankActor:
         group still comes back as soon as it is done (a Ray streaming generator), in one message with the
         others that ended with it. `batch` names the call for `cancel_rollouts`."""
         loop = self._replica_loop()
-        replica = self.role.replica
+        replica = self.engine
         finished: queue.SimpleQueue = queue.SimpleQueue()
 
         async def start() -> list[asyncio.Task]:
@@ -283,17 +293,20 @@ class RankActor:
         return self.loop
 
     def start_profile(self) -> None:
-        """torch.profiler from now until stop_profile (trainer.profile_steps reaching into the ranks)."""
+        """torch.profiler from now until stop_profile (trainer.profile_steps reaching into the ranks); a
+        process of several roles is profiled once, from the first role's start to its stop."""
         from torch.profiler import profile
 
-        self.profiler = profile(activities=profiler_activities())
-        self.profiler.__enter__()
+        if self.profiler is None:
+            self.profiler = profile(activities=profiler_activities())
+            self.profiler.__enter__()
 
     def stop_profile(self, folder: str, name: str) -> None:
         """Stop the profiler; write folder/<name>_rank<R>.txt and .json on this rank's node."""
         profiler, self.profiler = self.profiler, None
-        profiler.__exit__(None, None, None)
-        write_profile(profiler, Path(folder), f"{name}_rank{self.rank}")
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            write_profile(profiler, Path(folder), f"{name}_rank{self.rank}")
 
     def node_id(self) -> str:
         import ray
@@ -306,20 +319,29 @@ class RayRanks:
 
     remote = True
 
-    def __init__(self, pool: ResourcePool, build: Callable, *, role: str, share: float, seed: int) -> None:
-        """build(dp, device) -> the rank object, run in every rank's process. share: the fraction of each
-        bundle this role takes (1/k when k roles are colocated on the pool)."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+    def __init__(
+        self, pool: ResourcePool, build: Callable, *, role: str, seed: int, host: RayRanks | None = None
+    ) -> None:
+        """build(dp, device) -> the rank object, run in every rank's process. host: a colocated role's
+        ranks, whose processes this role's rank objects join (one process a GPU), instead of actors of
+        its own on the pool's bundles."""
         self.role, self.world_size = role, pool.world_size
         self.failure: str | None = None
         self.rank_nodes: list[str] = []  # each rank's Ray node id, to name a lost node
+        if host is not None:
+            self.actors, self.rank_nodes = host.actors, host.rank_nodes
+            self.pids = self._wait(
+                [actor.setup.remote(role, build, None, None) for actor in self.actors], "setup"
+            )
+            return
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         remote = ray.remote(concurrency_groups={REPLICA_CALLS: MAX_REPLICA_CALLS})(RankActor)
         self.actors = [
             remote.options(
-                num_cpus=share,
-                num_gpus=share if pool.use_gpu else 0,
+                num_cpus=1,
+                num_gpus=1 if pool.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index
                 ),
@@ -329,7 +351,7 @@ class RayRanks:
         ]
         master_addr, master_port = self._wait([self.actors[0].node_address.remote()], "start")[0]
         self.pids = self._wait(
-            [actor.setup.remote(build, master_addr, master_port) for actor in self.actors], "setup"
+            [actor.setup.remote(role, build, master_addr, master_port) for actor in self.actors], "setup"
         )
         self.rank_nodes = self.node_ids()
 
@@ -338,7 +360,10 @@ class RayRanks:
         if self.failure is not None:
             raise WorkerGroupError(f"the {self.role} group was shut down after: {self.failure}")
         per_rank_args = per_rank_args or [()] * self.world_size
-        refs = [actor.call.remote(method, *args, **kwargs) for actor, args in zip(self.actors, per_rank_args)]
+        refs = [
+            actor.call.remote(self.role, method, *args, **kwargs)
+            for actor, args in zip(self.actors, per_rank_args)
+        ]
         return self._wait(refs, method)
 
     def replicas(self) -> list[RankReplica]:
