@@ -119,6 +119,10 @@ class BuiltinEngine:
             )
             self.fused = False
         self.use_graphs = self.config.cuda_graphs and self.device.type == "cuda" and self.fused
+        # One side stream for every capture, phase after phase: cuBLAS keeps a workspace for each stream
+        # it has run on (32 MiB on Hopper, not freed by empty_cache), and a new stream a capture took a
+        # new one from torch's pool of streams until it had cycled through all 32 (+1 GiB reserved).
+        self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self.waiting: deque[_Request] = deque()
         self.running: dict[int, _Seq] = {}  # id(seq) -> seq, in admission order
         self.pending: deque[_Launch] = deque()
@@ -276,7 +280,7 @@ class BuiltinEngine:
             self.last_token,
             attend,
             self.max_running,
-            self.use_graphs,
+            self.capture_stream,
             fused=self.fused,
         )
         self.free_slots = list(range(self.max_running - 1, -1, -1))

@@ -97,15 +97,17 @@ class DecodeRunner:
         last_token: Tensor,
         attend: DecodeAttention,
         max_batch: int,
-        use_graphs: bool,
+        capture_stream: torch.cuda.Stream | None,
         fused: bool = False,
     ) -> None:
-        """fused: the Triton decode path (EngineModel.decode_fused) rather than decode(attend=...)."""
+        """capture_stream: the side stream its CUDA graphs are warmed up and captured on (None: no
+        graphs); fused: the Triton decode path (EngineModel.decode_fused) rather than decode(attend=...)."""
         self.model, self.cache, self.last_token, self.attend = model, cache, last_token, attend
         self.fused = fused and model.can_fuse
         self.device = model.device
         self.max_batch = max_batch
-        self.use_graphs = use_graphs
+        self.capture_stream = capture_stream
+        self.use_graphs = capture_stream is not None
         self.buckets = graph_buckets(max_batch)
         cuda = self.device.type == "cuda"
         # rows: slots, lengths, seeds (int64); temperatures travel as a separate float32 row
@@ -119,7 +121,7 @@ class DecodeRunner:
             {"tokens": ((max_batch,), torch.int64), "logprobs": ((max_batch,), torch.float32)}, pinned=cuda
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -160,7 +162,7 @@ class DecodeRunner:
         # Warm up on a side stream first (compiles Triton kernels, settles cuBLAS workspaces).
         self.inputs[0, :width] = self.cache.padding_slot
         self.inputs[1, :width] = 1
-        side = torch.cuda.Stream()
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
