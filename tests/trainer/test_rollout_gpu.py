@@ -98,15 +98,20 @@ def test_bf16_logprobs_are_close_to_the_trainers_and_the_gap_is_logged():
     assert gap["training/rollout_actor_probs_pearson_corr"] > 0.99, gap
 
 
-def test_rollout_phases_after_the_first_reserve_no_more_memory():
+@pytest.mark.parametrize("keep", [False, True], ids=["release-empties", "release-keeps"])
+def test_rollout_phases_after_the_first_reserve_no_more_memory(keep):
     model, tok = varied_model("qwen2", seed=2)
-    engine = engine_for(model.to("cuda"), tok, max_running=64, context_length=2048)
+    engine = engine_for(model.to("cuda"), tok, max_running=64, context_length=2048, keep_released_memory=keep)
     prompts = encode(tok)
     reserved = []
     for phase in range(5):  # a training run's rollout phases: each resume captures its graphs again
         for batch in (1, 3, 5):  # three graph buckets a phase
             engine.generate(prompts[:batch], SamplingParams(temperature=1.0, max_new_tokens=8, seed=phase))
+        held, cache = torch.cuda.memory_allocated(), engine.cache.nbytes
         engine.release(["kv_cache"])
+        assert torch.cuda.memory_allocated() < held  # the cache is free for this process's passes ...
+        if keep:  # ... and stays in its allocator
+            assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= cache
         reserved.append(torch.cuda.memory_reserved())
         engine.resume(["kv_cache"])
     print("reserved after each release, MiB:", [r >> 20 for r in reserved])

@@ -12,8 +12,9 @@ and `load_weights_now(named tensors)`, which the rank's weight sync calls tensor
 Memory: the built-in engine's KV cache is allocated only between the driver's resume_memory and
 release_memory around each rollout phase (SGLang's memory tags), sized from
 rollout.gpu_memory_utilization and what is free then (trainer/rollout/builtin/memory.py), so the
-old-logprob, reference and update passes have that memory (rollout.free_cache_engine=false keeps it from
-the first phase on). The weights stay on the GPU: the sync after each update copies into them in place.
+old-logprob, reference and update passes have that memory, in this process's allocator (they are this
+process: trainer/parallel/placement.py; rollout.free_cache_engine=false keeps it from the first phase
+on). The weights stay on the GPU: the sync after each update copies into them in place.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def colocated_replica(
         max_running=settings.max_slots if on_gpu else min(settings.max_slots, CPU_SLOTS),
         context_length=settings.context_length,
         gpu_memory_utilization=settings.gpu_memory_utilization if on_gpu else None,
+        # the colocated roles are this process (trainer/parallel/placement.py): the KV memory released
+        # stays in its allocator for their passes rather than going back to the device
+        keep_released_memory=True,
     )
     engine = load_engine(model, tokenizer=tokenizer, dtype=dtype, device=device, config=config)
     engine.release(KV_CACHE)  # held only through the rollout phase (the driver resumes it)

@@ -51,6 +51,12 @@ class EngineConfig:
     # CUDA: size the slots so that weights + KV cache take at most this fraction of the GPU and fit in
     # what is free when the cache is allocated (memory.py); None: exactly max_running slots
     gpu_memory_utilization: float | None = None
+    # release() leaves the freed memory in this process's caching allocator, where a colocated update's
+    # passes reuse it instead of ~300 cudaMallocs while the GPU idles (BENCHMARKS.md, 2026-11-29), and
+    # resume() empties the allocator instead, before it allocates the cache: that also frees the last
+    # phase's CUDA-graph pool (kept, it grew the reserved memory 36 MiB a phase). False: release hands
+    # the memory back to the device, for other processes on this GPU.
+    keep_released_memory: bool = False
 
 
 @dataclass
@@ -252,7 +258,7 @@ class BuiltinEngine:
         if "weights" in tags and "weights" not in self.released:
             self.model.move_to(torch.device("cpu"), pin=self.device.type == "cuda")
         self.released |= tags | {"kv_cache"}  # the graphs read the weights' addresses: both go
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not (self.config.keep_released_memory and "weights" not in tags):
             torch.cuda.empty_cache()
 
     def resume(self, tags: Sequence[str] | None = None) -> None:
@@ -261,6 +267,8 @@ class BuiltinEngine:
             self.model.move_to(self.device)
             self.released.discard("weights")
         if "kv_cache" in tags and "weights" not in self.released and "kv_cache" in self.released:
+            if self.device.type == "cuda" and self.config.keep_released_memory:
+                torch.cuda.empty_cache()  # see keep_released_memory
             self._allocate()
             self.released.discard("kv_cache")
 
