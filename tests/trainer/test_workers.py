@@ -434,14 +434,30 @@ def test_policy_reports_the_lr_of_each_step_with_warmup(base_model):
 def test_clip_and_step_clips_the_global_norm_and_skips_non_finite_gradients():
     model = torch.nn.Linear(2, 1, bias=False)
     model.weight.data[:] = torch.tensor([[1.0, 1.0]])
-    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0, fused=True)  # the skip is the fused kernel's
     model.weight.grad = torch.tensor([[3.0, 4.0]])  # norm 5 -> clipped to 0.5: [0.3, 0.4]
-    assert clip_and_step(model, sgd, grad_clip=0.5) == pytest.approx(5.0)
+    assert float(clip_and_step(model, sgd, grad_clip=0.5)) == pytest.approx(5.0)
     torch.testing.assert_close(model.weight.data, torch.tensor([[0.7, 0.6]]))
-    model.weight.grad = torch.tensor([[float("nan"), 1.0]])
-    assert math.isnan(clip_and_step(model, sgd, grad_clip=0.5))
-    torch.testing.assert_close(model.weight.data, torch.tensor([[0.7, 0.6]]))  # step skipped
-    assert model.weight.grad is None
+    for bad in (float("nan"), float("inf")):
+        model.weight.grad = torch.tensor([[bad, 1.0]])
+        assert not math.isfinite(clip_and_step(model, sgd, grad_clip=0.5))
+        torch.testing.assert_close(model.weight.data, torch.tensor([[0.7, 0.6]]))  # step skipped
+        assert model.weight.grad is None
+    model.weight.grad = torch.tensor([[0.3, 0.4]])  # and the next finite step is taken
+    clip_and_step(model, sgd, grad_clip=None)
+    torch.testing.assert_close(model.weight.data, torch.tensor([[0.4, 0.2]]))
+
+
+def test_adamw_skips_a_non_finite_step_whole_moments_and_step_count_included(base_model):
+    policy = policy_of(fresh(base_model), mini=4, micro=4, lr=1e-2)
+    batch = with_training_fields(make_batch(), base_model)
+    policy.update(batch)
+    before = copy.deepcopy(policy.optimizer.state_dict()), copy.deepcopy(policy.model.state_dict())
+    for param in policy.model.parameters():
+        param.grad = torch.full_like(param, float("nan"))
+    assert math.isnan(clip_and_step(policy.model, policy.optimizer, grad_clip=1.0))
+    torch.testing.assert_close(policy.optimizer.state_dict(), before[0])
+    torch.testing.assert_close(policy.model.state_dict(), before[1])
 
 
 def test_state_dict_round_trip_continues_exactly(base_model):
@@ -499,11 +515,11 @@ def test_bf16_autocast_update_on_gpu(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_mini_batch_waits_for_the_gpu_once_not_once_a_micro_batch(model_dir, packed):
+def test_an_update_waits_for_the_gpu_once_not_once_a_micro_batch(model_dir, packed):
     # A host sync inside the micro-batch loop (a float() of a loss term, a boolean-mask gather, a pageable
     # copy) stalls the CPU until the GPU drains, and the next forward then starts with an idle GPU (~0.2 s
-    # of a 1.5 s update on an H200 through the Ray ranks; BENCHMARKS.md). Only the metrics' one
-    # transfer at the end of the mini-batch may wait.
+    # of a 1.5 s update on an H200 through the Ray ranks; BENCHMARKS.md); one before the optimizer step
+    # (reading the grad norm) idles it again. Only the metrics' one transfer, after the step, may wait.
     import warnings
 
     from trainer.packing import use_packed_attention
@@ -513,13 +529,13 @@ def test_a_mini_batch_waits_for_the_gpu_once_not_once_a_micro_batch(model_dir, p
         use_packed_attention(model)
     policy = Policy(model, optim(), sizes(8, 2), loss_settings(), autocast_dtype=torch.bfloat16)
     batch = with_training_fields(make_batch(), load_policy(str(model_dir)))  # the same weights, on the CPU
-    policy.train_mini_batch(batch)  # warm-up: kernels and allocator
+    policy.update(batch)  # warm-up: kernels, allocator, the optimizer's state
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            metrics = policy.train_mini_batch(batch)
+            metrics = policy.update(batch)  # one mini-batch of four micro-batches
     finally:
         torch.cuda.set_sync_debug_mode(0)
     syncs = [str(w.message) for w in caught if "synchronizing" in str(w.message)]

@@ -54,13 +54,14 @@ class DataParallel:
         return self.world_size > 1
 
     def sum(self, values: Tensor) -> Tensor:
-        """Element-wise sum over the ranks of a small float64 tensor (returns a new tensor)."""
+        """Element-wise sum over the ranks of a small float64 tensor: a new tensor, on the device the
+        collective ran on (no wait for it here; reading it back, `.tolist()`, waits)."""
         total = values.detach().to(torch.float64).clone()
         if self.is_distributed:
             device = _collective_device()
             total = total.to(device)
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
-        return total.cpu()
+        return total
 
     def sum_floats(self, *values: float) -> list[float]:
         return self.sum(torch.tensor(values, dtype=torch.float64)).tolist()

@@ -88,7 +88,7 @@ class Critic(TrainedModel):
         if batch.values is None or batch.returns is None:
             raise ValueError("Critic.update needs batch.values (before the update) and batch.returns")
 
-    def train_mini_batch(self, mini_batch: TrainBatch) -> dict[str, float]:
+    def train_mini_batch(self, mini_batch: TrainBatch) -> MiniBatchMetrics:
         """Fit the values to returns, clipped around the values before the update (verl's critic/*)."""
         denominators = global_denominators(mini_batch, self.loss.max_response_len, self.dp)
         metrics = MiniBatchMetrics(denominators["num_tokens"], ("critic/vf_loss",))
@@ -114,4 +114,4 @@ class Critic(TrainedModel):
                 },
                 tokens=micro.response_mask.sum(),
             )
-        return metrics.result(self.dp)
+        return metrics

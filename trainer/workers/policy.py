@@ -109,7 +109,7 @@ class Policy(TrainedModel):
         if self.loss.use_kl_loss and batch.ref_logprobs is None:
             raise ValueError("use_kl_loss needs batch.ref_logprobs")
 
-    def train_mini_batch(self, mini_batch: TrainBatch) -> dict[str, float]:
+    def train_mini_batch(self, mini_batch: TrainBatch) -> MiniBatchMetrics:
         """Accumulate the micro-batches' gradients (the optimizer step is the caller's)."""
         denominators = global_denominators(mini_batch, self.loss.max_response_len, self.dp)
         metrics = MiniBatchMetrics(denominators["num_tokens"], LOSS_METRICS)
@@ -126,7 +126,7 @@ class Policy(TrainedModel):
             terms = policy_loss_terms(out, micro, self.loss, denominators)
             terms.pop("total").backward()
             metrics.add(terms, tokens=micro.response_mask.sum())
-        return metrics.result(self.dp)
+        return metrics
 
 
 def policy_loss_terms(
