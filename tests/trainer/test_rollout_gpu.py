@@ -118,6 +118,24 @@ def test_rollout_phases_after_the_first_reserve_no_more_memory(keep):
     assert reserved[-1] <= reserved[1], "a phase must reuse what the last one left, not add to it"
 
 
+def test_a_prompt_admitted_while_decoding_reaches_the_gpu_through_pinned_memory():
+    # A pageable host-to-device copy first waits for the GPU's queued work: a multi-turn request's next
+    # turn, admitted while other sequences decode, stalled the host behind their steps.
+    from torch.profiler import ProfilerActivity, profile
+
+    model, tok = varied_model("qwen2", seed=2)
+    engine = engine_for(model.to("cuda"), tok, max_running=64, context_length=2048)
+    prompts = encode(tok)
+    sampled = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=8, n=2, seed=1)
+    reference = [g for g in engine.generate(prompts, sampled)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        outputs = engine.generate(prompts, sampled)  # prefill (n=2: a prefix copy), top-k/top-p steps
+        torch.cuda.synchronize()
+    copies = [event.name for event in prof.events() if "Memcpy HtoD" in event.name]
+    assert copies and not any("Pageable" in name for name in copies), copies
+    assert [[s.token_ids for s in g] for g in outputs] == [[s.token_ids for s in g] for g in reference]
+
+
 def test_release_frees_gpu_memory_and_resume_restores_the_outputs():
     model, tok = varied_model("qwen2", seed=2)
     engine = engine_for(model.to("cuda"), tok, max_running=64, context_length=2048)

@@ -364,25 +364,34 @@ class BuiltinEngine:
             self._launch_prefill(admitted, width)
 
     def _launch_prefill(self, requests: list[_Request], width: int) -> None:
-        device = self.device
-        tokens = torch.zeros((len(requests), width), dtype=torch.int64)
+        tokens = np.zeros((len(requests), width), dtype=np.int64)
         for row, request in enumerate(requests):
-            tokens[row, : len(request.prompt)] = torch.tensor(request.prompt)
-        lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
-        first = torch.tensor([r.seqs[0].slot for r in requests], device=device)
-        prefill = self.model.prefill_fused if self.runner.fused else self.model.prefill
-        logits = prefill(tokens.to(device), lengths, first, self.cache)
+            tokens[row, : len(request.prompt)] = request.prompt
         siblings = [(r.seqs[0].slot, s.slot) for r in requests for s in r.seqs[1:]]
-        if siblings:
-            src, dst = (torch.tensor(column, device=device) for column in zip(*siblings))
-            self.cache.copy_prefix(src, dst, width)
+        src, dst = (
+            (np.array(column, dtype=np.int64) for column in zip(*siblings)) if siblings else (None, None)
+        )
         rows = [s for r in requests for s in r.seqs]
-        expand = torch.tensor([i for i, r in enumerate(requests) for _ in r.seqs], device=device)
-        if len(rows) > len(requests):
-            logits = logits[expand]
         inputs = _inputs_of(rows)
         inputs.seeds = token_seeds(inputs.seeds, np.zeros(len(rows), dtype=np.int64))
-        self._sample_and_read(rows, logits, inputs, staged=None)
+        ints = [
+            tokens,
+            np.array([len(r.prompt) for r in requests], dtype=np.int64),  # lengths
+            np.array([r.seqs[0].slot for r in requests], dtype=np.int64),  # each prompt's first slot
+            np.array([i for i, r in enumerate(requests) for _ in r.seqs], dtype=np.int64),  # row -> prompt
+            inputs.seeds,
+            inputs.slots,
+            *((src, dst) if siblings else ()),
+        ]
+        tokens, lengths, first, expand, seeds, slots, *copies = upload(ints, self.device)
+        (temperatures,) = upload([inputs.temperatures], self.device)
+        prefill = self.model.prefill_fused if self.runner.fused else self.model.prefill
+        logits = prefill(tokens, lengths, first, self.cache)
+        if siblings:
+            self.cache.copy_prefix(*copies, width)
+        if len(rows) > len(requests):
+            logits = logits[expand]
+        self._sample_and_read(rows, logits, inputs, (temperatures, seeds, slots), staged=None)
 
     def _step_inputs(self, rows: list[_Seq]) -> StepInputs:
         """Inputs of a decode step; rebuilt only when the batch's sequences changed since the last one."""
@@ -404,17 +413,15 @@ class BuiltinEngine:
         inputs = self._step_inputs(rows)
         width, staged = self.runner.stage(inputs)
         logits = self.runner.forward(len(rows), width)
-        self._sample_and_read(rows, logits, inputs, staged)
+        batch, runner = len(rows), self.runner
+        on_device = runner.temperatures[:batch], runner.inputs[2, :batch], runner.inputs[0, :batch]
+        self._sample_and_read(rows, logits, inputs, on_device, staged)
 
-    def _sample_and_read(self, rows: list[_Seq], logits: Tensor, inputs: StepInputs, staged) -> None:
-        batch, device = len(rows), self.device
-        if staged is None:  # prefill: its few inputs go straight to the device
-            temperatures = torch.from_numpy(inputs.temperatures).to(device)
-            seeds = torch.from_numpy(inputs.seeds).to(device)
-            slots = torch.from_numpy(inputs.slots).to(device)
-        else:
-            temperatures = self.runner.temperatures[:batch]
-            seeds, slots = self.runner.inputs[2, :batch], self.runner.inputs[0, :batch]
+    def _sample_and_read(
+        self, rows: list[_Seq], logits: Tensor, inputs: StepInputs, on_device: tuple, staged
+    ) -> None:
+        """on_device: the step's temperatures, seeds and slots, already on the device."""
+        temperatures, seeds, slots = on_device
         floors = self._floors(inputs, logits, temperatures)
         tokens, logprobs = sample(
             logits,
@@ -435,8 +442,7 @@ class BuiltinEngine:
     def _floors(self, inputs: StepInputs, logits: Tensor, temperatures: Tensor) -> Tensor | None:
         if not needs_floor(inputs.top_k, inputs.top_p, self.model.shape.vocab):
             return None
-        device = self.device
-        top_k, top_p = torch.from_numpy(inputs.top_k).to(device), torch.from_numpy(inputs.top_p).to(device)
+        (top_k,), (top_p,) = upload([inputs.top_k], self.device), upload([inputs.top_p], self.device)
         return sampling_floors(logits, temperatures, top_k, top_p)
 
     def _process(self, launch: _Launch) -> None:
@@ -473,6 +479,17 @@ class BuiltinEngine:
             ]
             if request.on_done is not None:
                 request.on_done(request.outputs)
+
+
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[Tensor]:
+    """Host arrays of one dtype on the device, in one copy that does not wait. On CUDA it goes through
+    pinned memory: a copy from pageable memory first waits for all the GPU's queued work, here the decode
+    steps in flight when a multi-turn request's next turn is admitted (or every step, for top-k/top-p)."""
+    host = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]))
+    if device.type == "cuda":
+        host = host.pin_memory()  # torch's pinned cache: the block is not reused before the copy ends
+    flat = host.to(device, non_blocking=True)
+    return [part.view(a.shape) for part, a in zip(flat.split([a.size for a in arrays]), arrays)]
 
 
 def _inputs_of(rows: list[_Seq]) -> StepInputs:

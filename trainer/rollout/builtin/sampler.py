@@ -46,24 +46,23 @@ def sampling_floors(logits: Tensor, temperatures: Tensor, top_k: Tensor, top_p: 
     top-k keeps the k largest logits; top-p then keeps the smallest prefix of those (by probability
     under logits / T, renormalised) whose mass reaches p. Ties at the floor are kept.
     """
-    batch, vocab = logits.shape
-    floors = torch.full((batch,), float("-inf"), device=logits.device)
-    rows = ((top_k > 0) & (top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(-1)
-    if rows.numel() == 0:
-        return floors
-    temps = temperatures[rows].float()
-    scaled = logits[rows].float() / torch.where(temps == 0, 1.0, temps)[:, None]
+    vocab = logits.shape[-1]
+    # every row, the unlimited ones masked at the end: selecting the limited rows (nonzero) would make
+    # the host wait for the step's forward, and callers use one sampling setting for a whole batch anyway
+    k_limited = (top_k > 0) & (top_k < vocab)
+    temps = torch.where(temperatures == 0, 1.0, temperatures.float())
+    scaled = logits.float() / temps[:, None]
     ordered, _ = scaled.sort(dim=-1, descending=True)
-    k = torch.where((top_k[rows] > 0) & (top_k[rows] < vocab), top_k[rows], vocab).long()
+    k = torch.where(k_limited, top_k, vocab).long()
     rank = torch.arange(vocab, device=logits.device)[None, :]
     ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))  # top-k
     probs = ordered.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly better entries
-    keep = (mass_before < top_p[rows, None].float()) & (rank < k[:, None])
+    keep = (mass_before < top_p[:, None].float()) & (rank < k[:, None])
     last_kept = keep.sum(dim=-1) - 1  # >= 0: the best entry always survives
     floor_scaled = ordered.gather(-1, last_kept[:, None]).squeeze(-1)
-    floors[rows] = floor_scaled * torch.where(temps == 0, 1.0, temps)  # back to raw-logit units
-    return floors
+    floors = floor_scaled * temps  # back to raw-logit units
+    return torch.where(k_limited | (top_p < 1.0), floors, float("-inf"))
 
 
 def torch_sample(
