@@ -22,7 +22,6 @@ logprobs and values are those of the padded forward (to float rounding): tests c
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import types
 from dataclasses import dataclass
@@ -123,7 +122,9 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: d
             try:
                 return kernel(query, key, value, packed["cu_seq_lens_q"], packed["max_length_q"], scale)
             except (RuntimeError, TypeError, ValueError) as exc:  # an older or newer torch's signature
-                log.warning("varlen_attn failed (%s): packed attention runs per sequence from now on", exc)
+                log.warning(
+                    "flash attention failed (%s): packed attention runs per sequence from now on", exc
+                )
                 _cuda_varlen_kernel.cache_clear()
                 _DISABLED.add("varlen")
     return _attention_per_sequence(query, key, value, packed["cu_seq_lens_q"], scale)
@@ -165,29 +166,34 @@ def _attention_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seq_le
 
 @functools.cache
 def _cuda_varlen_kernel():
-    """PyTorch's variable-length flash attention (torch >= 2.9), adapted to its signature; None if absent."""
+    """Flash attention over the packed sequences (aten's variable-length kernel, with its own backward);
+    None if this torch has none. It takes fewer key/value heads than query heads as they are (GQA):
+    torch's `varlen_attn` wrapper before 2.13 refused them, and repeating K and V to every head cost a
+    0.5B update ~16 ms forward and ~9 ms of backward reduction (a profile on an H200)."""
     if "varlen" in _DISABLED:
         return None
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        log.warning("torch has no varlen_attn: packed attention runs per sequence (slower)")
+    flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if flash is None:
+        log.warning(
+            "torch has no variable-length flash attention: packed attention runs per sequence (slower)"
+        )
         return None
-    parameters = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
-    native_gqa = "enable_gqa" in parameters
 
     def kernel(query, key, value, cu_seq_lens, max_length, scale):
-        extra = dict(causal)
-        if key.shape[1] != query.shape[1]:
-            if native_gqa:
-                extra["enable_gqa"] = True
-            else:
-                groups = query.shape[1] // key.shape[1]
-                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        return varlen_attn(
-            query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scale, **extra
-        )
+        causal, no_dropout, no_debug_mask = True, 0.0, False
+        return flash(
+            query,
+            key,
+            value,
+            cu_seq_lens,
+            cu_seq_lens,
+            max_length,
+            max_length,
+            no_dropout,
+            causal,
+            no_debug_mask,
+            scale=scale,
+        )[0]
 
     return kernel
 

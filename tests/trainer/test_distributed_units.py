@@ -265,6 +265,32 @@ def test_flash_attention_dtype_under_autocast():
 
 
 @pytest.mark.gpu
+def test_flash_attention_takes_grouped_kv_heads_and_gives_the_gradients_of_attention_per_sequence():
+    # GQA: 14 query heads over 2 key/value heads (Qwen2.5-0.5B's ratio), the keys and values not repeated
+    from trainer import packing
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [37, 1, 120, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    n = sum(lengths)
+    leaves = [
+        (torch.randn(n, heads, 64, generator=gen) * 0.5).to("cuda", torch.bfloat16).requires_grad_()
+        for heads in (14, 2, 2)
+    ]
+    packed = {"cu_seq_lens_q": cu, "max_length_q": max(lengths)}
+    flash = packing.varlen_causal_attention(*leaves, packed, scale=0.125)
+    assert "varlen" not in packing._DISABLED
+    exact = packing._attention_per_sequence(*leaves, cu, scale=0.125)
+    torch.testing.assert_close(flash.float(), exact.float(), atol=2e-2, rtol=2e-2)
+    grad_out = torch.randn(flash.shape, generator=gen).to("cuda", torch.bfloat16)
+    grads = torch.autograd.grad(flash, leaves, grad_out)
+    expected = torch.autograd.grad(exact, leaves, grad_out)
+    for got, want in zip(grads, expected):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
 def test_packed_forward_under_autocast_runs_flash_on_cuda(model_dir):
     # One-process runs keep fp32 weights under bf16 autocast: the packed forward must stay on flash
     # attention (no fallback to a call per sequence) and agree with the padded forward at bf16 precision.
