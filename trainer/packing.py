@@ -179,21 +179,9 @@ def _cuda_varlen_kernel():
         )
         return None
 
-    def kernel(query, key, value, cu_seq_lens, max_length, scale):
-        causal, no_dropout, no_debug_mask = True, 0.0, False
-        return flash(
-            query,
-            key,
-            value,
-            cu_seq_lens,
-            cu_seq_lens,
-            max_length,
-            max_length,
-            no_dropout,
-            causal,
-            no_debug_mask,
-            scale=scale,
-        )[0]
+    def kernel(q, k, v, cu_seq_lens, longest, scale):
+        # (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask) -> output, ...
+        return flash(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, 0.0, True, False, scale=scale)[0]
 
     return kernel
 

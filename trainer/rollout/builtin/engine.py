@@ -54,8 +54,8 @@ class EngineConfig:
     # release() leaves the freed memory in this process's caching allocator, where a colocated update's
     # passes reuse it instead of ~300 cudaMallocs while the GPU idles (BENCHMARKS.md, 2026-11-29), and
     # resume() empties the allocator instead, before it allocates the cache: that also frees the last
-    # phase's CUDA-graph pool (kept, it grew the reserved memory 36 MiB a phase). False: release hands
-    # the memory back to the device, for other processes on this GPU.
+    # phase's CUDA-graph pool, which only empty_cache returns. False: release hands the memory back to
+    # the device, for other processes on this GPU.
     keep_released_memory: bool = False
 
 
@@ -364,30 +364,27 @@ class BuiltinEngine:
             self._launch_prefill(admitted, width)
 
     def _launch_prefill(self, requests: list[_Request], width: int) -> None:
-        tokens = np.zeros((len(requests), width), dtype=np.int64)
+        prompts = np.zeros((len(requests), width), dtype=np.int64)
         for row, request in enumerate(requests):
-            tokens[row, : len(request.prompt)] = request.prompt
+            prompts[row, : len(request.prompt)] = request.prompt
         siblings = [(r.seqs[0].slot, s.slot) for r in requests for s in r.seqs[1:]]
-        src, dst = (
-            (np.array(column, dtype=np.int64) for column in zip(*siblings)) if siblings else (None, None)
-        )
         rows = [s for r in requests for s in r.seqs]
         inputs = _inputs_of(rows)
         inputs.seeds = token_seeds(inputs.seeds, np.zeros(len(rows), dtype=np.int64))
         ints = [
-            tokens,
+            prompts,
             np.array([len(r.prompt) for r in requests], dtype=np.int64),  # lengths
             np.array([r.seqs[0].slot for r in requests], dtype=np.int64),  # each prompt's first slot
             np.array([i for i, r in enumerate(requests) for _ in r.seqs], dtype=np.int64),  # row -> prompt
             inputs.seeds,
             inputs.slots,
-            *((src, dst) if siblings else ()),
+            *(np.array(column, dtype=np.int64) for column in zip(*siblings)),  # prefix copies: src, dst
         ]
         tokens, lengths, first, expand, seeds, slots, *copies = upload(ints, self.device)
         (temperatures,) = upload([inputs.temperatures], self.device)
         prefill = self.model.prefill_fused if self.runner.fused else self.model.prefill
         logits = prefill(tokens, lengths, first, self.cache)
-        if siblings:
+        if copies:
             self.cache.copy_prefix(*copies, width)
         if len(rows) > len(requests):
             logits = logits[expand]
