@@ -127,7 +127,7 @@ def test_a_prompt_admitted_while_decoding_reaches_the_gpu_through_pinned_memory(
     engine = engine_for(model.to("cuda"), tok, max_running=64, context_length=2048)
     prompts = encode(tok)
     sampled = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=8, n=2, seed=1)
-    reference = [g for g in engine.generate(prompts, sampled)]
+    reference = engine.generate(prompts, sampled)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         outputs = engine.generate(prompts, sampled)  # prefill (n=2: a prefix copy), top-k/top-p steps
         torch.cuda.synchronize()
