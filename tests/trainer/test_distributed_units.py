@@ -233,7 +233,8 @@ def test_weight_stream_yields_every_tensor_once_gathered_in_buckets(model_dir):
 
 
 def test_the_weight_sync_gathers_a_sharded_model_group_by_group_with_the_same_tensors(model_dir):
-    """iter_gathered (FSDP2's unshard, one collective a decoder layer) yields what iter_full_state (one
+    """iter_gathered (FSDP2's unshard, one collective a unit: here the one unit of a one-rank model; the
+    2-rank tests in test_distributed.py gather a layer at a time) yields what iter_full_state (one
     collective a tensor) does, tied names included, and leaves the model sharded."""
     from trainer.parallel.distributed import local_data_parallel
     from trainer.parallel.fsdp import FSDPSettings, iter_gathered, shard_model
@@ -248,6 +249,35 @@ def test_the_weight_sync_gathers_a_sharded_model_group_by_group_with_the_same_te
     by_name = dict(gathered)
     assert by_name["lm_head.weight"] is by_name["model.embed_tokens.weight"]  # tied: gathered once
     assert all(hasattr(p, "full_tensor") for p in model.parameters())  # every group resharded
+
+
+def test_one_rank_shards_the_model_as_one_unit_and_a_pass_without_gradients_frees_its_gathered_copy(
+    model_dir,
+):
+    # units a layer only cost host time on one rank (no one to gather from); CPU offload keeps them
+    from trainer.parallel.distributed import local_data_parallel
+    from trainer.parallel.fsdp import FSDPSettings, is_sharded, shard_model
+    from trainer.workers.logprobs import LogprobHead, batched_response_logprobs
+
+    cpu = torch.device("cpu")
+    model = shard_model(load_policy(str(model_dir)), local_data_parallel(cpu), FSDPSettings(), cpu)
+    assert [name for name, module in model.named_modules() if is_sharded(module)] == [""]
+    offloaded = shard_model(
+        load_policy(str(model_dir)), local_data_parallel(cpu), FSDPSettings(offload_policy=True), cpu
+    )
+    assert sum(is_sharded(module) for module in offloaded.modules()) == 1 + 2  # the root and 2 layers
+
+    def gathered() -> bool:  # FSDP2 swaps in plain tensors while unsharded, DTensor shards after
+        return not all(hasattr(p, "full_tensor") for p in model.parameters())
+
+    batch = _batch(seed=5)
+    model.unshard()
+    assert gathered()
+    out = batched_response_logprobs(
+        model, batch, 2, temperature=1.0, with_entropy=False, autocast_dtype=None, head=LogprobHead()
+    )
+    assert not gathered()  # the root would keep it (reshard_after_forward=False) for a backward
+    assert out.logprobs.shape == batch.response_mask.shape and out.logprobs.isfinite().all()
 
 
 def test_flash_attention_dtype_under_autocast():

@@ -2,10 +2,11 @@
 rollout engine, and sharded checkpoints that resume on any number of ranks.
 
 Sharding (`shard_model`): each decoder layer is one FSDP unit, the root (embeddings, final norm, LM
-head) another, as verl and torchtitan do. Mixed precision is FSDP2's `MixedPrecisionPolicy`: the
-fp32 parameter shards are the master weights the optimizer updates; each unit's parameters are cast to
-bf16 when gathered for compute (or, with verl's `mixed_precision.param_dtype: fp32`, gathered in fp32
-and computed under bf16 autocast, as one process does), and gradients are reduced in fp32. Gradients
+head) another, as verl and torchtitan do; a role on one rank is one unit (`one_unit`). Mixed precision
+is FSDP2's `MixedPrecisionPolicy`: the fp32 parameter shards are the master weights the optimizer
+updates; each unit's parameters are cast to bf16 when gathered for compute (or, with verl's
+`mixed_precision.param_dtype: fp32`, gathered in fp32 and computed under bf16 autocast, as one process
+does), and gradients are reduced in fp32. Gradients
 are SUMMED across ranks (divide factor 1), because each rank's loss is already its share of the global
 loss (see trainer/parallel/distributed.py).
 
@@ -97,13 +98,37 @@ def shard_model(
     }
     if not settings.offload_policy:
         model.to(device)
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=settings.reshard_after_forward, **options)
+    if not one_unit(dp, settings):
+        for layer in decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=settings.reshard_after_forward, **options)
     # the root's parameters (embeddings, LM head) are needed again right after the last layer's forward
     fully_shard(model, reshard_after_forward=False, **options)
     _install_root_forward(model)
     _sum_gradients(model)
     return model
+
+
+def one_unit(dp: DataParallel, settings: FSDPSettings) -> bool:
+    """Whether the whole model is one FSDP unit: on one rank with its parameters on the GPU.
+
+    Units a layer exist to gather each layer from the other ranks just before it runs and free it
+    after; one rank has no one to gather from, so they only cost host time (~1.75 ms a layer a forward
+    on an H200 host: the copies in and out, the hooks), enough to leave the GPU idle in a 0.5B update's
+    forwards. One unit gathers (copies) the whole model once a forward. The price is the bf16 copy of
+    every layer held at once (1 GB at 0.5B), which the per-layer units would free as they go;
+    `reshard_after_forward` has nothing to free between forward and backward. CPU offload keeps its
+    units a layer, which bound how much of the model is on the GPU at once.
+    """
+    return dp.world_size == 1 and not settings.offload_policy
+
+
+def release_gathered(model: nn.Module) -> None:
+    """Free the gathered (unsharded) parameters a forward without gradients leaves behind: the root
+    keeps them for a backward that will not come (reshard_after_forward=False), and a colocated engine
+    wants the memory for generation."""
+    for module in model.modules():
+        if is_sharded(module):
+            module.reshard()
 
 
 ROOT_FORWARD = "forward_in_root"

@@ -18,7 +18,7 @@ from trainer import algos
 from trainer.algos import LossAggMode
 from trainer.batch import TrainBatch
 from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
-from trainer.parallel.fsdp import in_root_forward
+from trainer.parallel.fsdp import in_root_forward, release_gathered
 from trainer.model import backbone_and_head
 from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import (
@@ -82,6 +82,7 @@ class Critic(TrainedModel):
         for micro in self.micro_batches(batch, self.forward_micro_batch_size):
             with self.autocast():
                 parts.append(response_values(self.model, micro))
+        release_gathered(self.model)
         return pad_response_columns(parts, batch.response_width).to(batch.response_mask.device)
 
     def check_update_inputs(self, batch: TrainBatch) -> None:

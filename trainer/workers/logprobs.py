@@ -38,7 +38,7 @@ from trainer import algos
 from trainer.batch import TrainBatch
 from trainer.compiling import CompiledOrEager
 from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
-from trainer.parallel.fsdp import compute_device, in_root_forward
+from trainer.parallel.fsdp import compute_device, in_root_forward, release_gathered
 from trainer.model import autocast, backbone_and_head
 from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import MicroBatchSize, micro_batches, pad_response_columns
@@ -301,6 +301,7 @@ def batched_response_logprobs(
             )
         logprob_parts.append(out.logprobs)
         entropy_parts.append(out.entropy)
+    release_gathered(model)
     width, home = batch.response_width, batch.response_mask.device
     return ResponseLogprobs(
         logprobs=pad_response_columns(logprob_parts, width).to(home),
