@@ -19,7 +19,8 @@ from trainer.model import (
     parameter_count,
     resolve_source,
 )
-from trainer.rollout import HFRolloutEngine, SamplingParams
+from trainer.rollout import SamplingParams
+from trainer.rollout.hf_engine import HFRolloutEngine
 from testing.tiny import CHAR_ALPHABET, char_tokenizer, make_tiny_model, qwen25_05b_config
 
 

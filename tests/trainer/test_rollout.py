@@ -11,7 +11,8 @@ import torch
 
 from trainer.batch import TrainBatch
 from trainer.model import load_policy, load_tokenizer
-from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
+from trainer.rollout import Rollout, SamplingParams
+from trainer.rollout.hf_engine import HFRolloutEngine
 from testing.tiny import make_tiny_model
 from trainer.workers.logprobs import response_logprobs
 

@@ -5,6 +5,5 @@ and pool (client.py, pool.py), the trainer-side manager and its builder (manager
 """
 
 from trainer.rollout.base import FinishReason, Rollout, SamplingParams
-from trainer.rollout.hf_engine import HFRolloutEngine
 
-__all__ = ["FinishReason", "HFRolloutEngine", "Rollout", "SamplingParams"]
+__all__ = ["FinishReason", "Rollout", "SamplingParams"]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trainer.batch import to_device
 from trainer.rollout.base import FinishReason, SamplingParams
 from trainer.rollout.builtin import kernels
 from trainer.rollout.builtin.memory import describe, device_memory, kv_slots
@@ -482,10 +483,7 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[Tensor]:
     """Host arrays of one dtype on the device, in one copy that does not wait. On CUDA it goes through
     pinned memory: a copy from pageable memory first waits for all the GPU's queued work, here the decode
     steps in flight when a multi-turn request's next turn is admitted (or every step, for top-k/top-p)."""
-    host = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]))
-    if device.type == "cuda":
-        host = host.pin_memory()  # torch's pinned cache: the block is not reused before the copy ends
-    flat = host.to(device, non_blocking=True)
+    flat = to_device(torch.from_numpy(np.concatenate([a.ravel() for a in arrays])), device)
     return [part.view(a.shape) for part, a in zip(flat.split([a.size for a in arrays]), arrays)]
 
 
