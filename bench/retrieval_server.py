@@ -10,7 +10,9 @@ how the clients hold their connections (all of them open N connections, one per 
 - own:     an httpx.AsyncClient per client (one connection each);
 - threads: a thread per client, each with its own httpx.Client (sync);
 - shared:  one httpx.AsyncClient for all, its pool holding N keep-alive connections;
-- service: one of the project's RetrievalClient for all (max_connections=N), as a user would.
+- service: one of the project's RetrievalClient for all (max_connections=N), as a user would;
+- sync-service: a thread per client, all sharing one SyncServiceClient (the reward hook's for verl, whose
+           reward managers may call it from a thread pool).
 
 Every client first sends one untimed request (its connection opens), then all start together and
 send --requests-per-client timed requests each (20: 1,280 requests at 64 clients, at least 200 a
@@ -26,7 +28,7 @@ The aim: throughput at 64 clients >= 90% of that at 32, and p99 at 64 <= 2.5x p9
 medians of the runs.
 
     python bench/retrieval_server.py [--levels 1,8,32,64] [--requests-per-client 20] [--runs 2]
-        [--client own|threads|shared|service] [--index DIR] [--server-arg=--max-wait-ms=5 ...]
+        [--client own|threads|shared|service|sync-service] [--index DIR] [--server-arg=--max-wait-ms=5 ...]
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ WIKI = next(
     ROOT.parent / "shared" / "data" / "wiki",
 )
 
+from services.common.client import SyncServiceClient
 from services.retrieval_server.client import RetrievalClient
 from tests.helpers import service_process
 
@@ -169,20 +172,29 @@ async def load_level(
         return [x for r in await asyncio.gather(*runs) for x in r]
 
 
-def load_level_threads(url: str, clients: int, per_client: int, pool: list[str], snapshot) -> list[float]:
-    """As load_level, each client a thread with its own httpx.Client."""
+def load_level_threads(
+    url: str, kind: str, clients: int, per_client: int, pool: list[str], snapshot
+) -> list[float]:
+    """As load_level, each client a thread: with its own httpx.Client (`threads`), or all sharing one
+    SyncServiceClient (`sync-service`)."""
     gate = threading.Barrier(clients, action=snapshot)
     latencies: list[float] = []
+    shared = SyncServiceClient(url, timeout_s=120, retries=0) if kind == "sync-service" else None
 
     def run(first: int) -> None:
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        if shared is None:
+            one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+            http = httpx.Client(base_url=url, timeout=120, limits=one)
+            post, holder = (lambda body: checked(http.post("/retrieve", json=body))), http
+        else:
+            post, holder = (lambda body: shared.post("/retrieve", body)), contextlib.nullcontext()
         try:
-            with httpx.Client(base_url=url, timeout=120, limits=limits) as http:
+            with holder:
                 for i in range(per_client + 1):
                     if i == 1:
                         gate.wait()
                     sent = time.perf_counter()
-                    checked(http.post("/retrieve", json=payload(pool[(first + i) % len(pool)])))
+                    post(payload(pool[(first + i) % len(pool)]))
                     if i:
                         latencies.append(time.perf_counter() - sent)  # list.append is atomic
         except threading.BrokenBarrierError:
@@ -196,6 +208,8 @@ def load_level_threads(url: str, clients: int, per_client: int, pool: list[str],
         thread.start()
     for thread in threads:
         thread.join()
+    if shared is not None:
+        shared.close()
     if len(latencies) != clients * per_client:
         raise RuntimeError("a client thread failed (its error is printed above)")
     return latencies
@@ -247,8 +261,8 @@ def run_level(url: str, pid: int, kind: str, clients: int, per_client: int, pool
         at_start.update(counters(url, pid))
 
     # the snapshot blocks the clients for a moment; every client is waiting at the gate then
-    if kind == "threads":
-        latencies = load_level_threads(url, clients, per_client, pool, snapshot)
+    if kind in ("threads", "sync-service"):
+        latencies = load_level_threads(url, kind, clients, per_client, pool, snapshot)
     else:
         latencies = asyncio.run(load_level(url, kind, clients, per_client, pool, snapshot))
     at_end = counters(url, pid)
@@ -324,7 +338,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="Sweeps over the levels, same server.")
     parser.add_argument(
         "--client",
-        choices=("own", "threads", "shared", "service"),
+        choices=("own", "threads", "shared", "service", "sync-service"),
         default="own",
         help="How the clients hold their connections (see the module docstring).",
     )

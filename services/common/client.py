@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -202,8 +203,8 @@ class _Lanes:
 
     def __init__(self, size: int, replicas: int, timeout_s: float, headers: dict) -> None:
         self._slots = asyncio.Semaphore(size)
-        self._free: list[httpx.AsyncClient] = []
-        self._opened: list[httpx.AsyncClient] = []
+        self._free: list = []
+        self._opened: list = []
         self._client_args = {
             "timeout": timeout_s,
             "headers": headers,
@@ -227,6 +228,36 @@ class _Lanes:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(http.aclose() for http in self._opened))
+
+
+class _ThreadLanes(_Lanes):
+    """_Lanes for callers on threads (httpx.Client lanes): 64 threads sharing one httpx.Client met the
+    same pool walk, and its 20 keep-alive connections by default made the others reconnect each call."""
+
+    def __init__(self, size: int, replicas: int, timeout_s: float, headers: dict) -> None:
+        super().__init__(size, replicas, timeout_s, headers)
+        self._slots = threading.BoundedSemaphore(size)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def lane(self):
+        with self._slots:
+            with self._lock:
+                http = self._free.pop() if self._free else self._open()
+            try:
+                yield http
+            finally:
+                with self._lock:
+                    self._free.append(http)
+
+    def _open(self) -> httpx.Client:
+        http = httpx.Client(**self._client_args)
+        self._opened.append(http)
+        return http
+
+    def close(self) -> None:
+        for http in self._opened:
+            http.close()
 
 
 class AsyncServiceClient(_Policy):
@@ -295,14 +326,19 @@ class AsyncServiceClient(_Policy):
 
 
 class SyncServiceClient(_Policy):
-    """The same policy for synchronous callers (verl's reward hooks run outside an event loop)."""
+    """The same policy for synchronous callers (verl's reward hooks run outside an event loop), safe to
+    share between threads: each call in flight holds a connection of its own, as the async client's do."""
 
-    def __init__(self, urls: str | Sequence[str], **policy) -> None:
+    def __init__(self, urls: str | Sequence[str], *, max_connections: int = 64, **policy) -> None:
         super().__init__(urls, **policy)
-        self._http = httpx.Client(timeout=self.timeout_s, headers=self.headers)
+        self._lanes = _ThreadLanes(max_connections, len(self.replicas.urls), self.timeout_s, self.headers)
 
     def close(self) -> None:
-        self._http.close()
+        self._lanes.close()
+
+    def _send(self, method: str, url: str, **kwargs) -> httpx.Response:
+        with self._lanes.lane() as http:
+            return http.request(method, url, **kwargs)
 
     def request(self, method: str, path: str, **kwargs) -> dict | list:
         plan = self._plan(path)
@@ -314,7 +350,7 @@ class SyncServiceClient(_Policy):
                     step = plan.send(None)
                     continue
                 try:
-                    outcome = self._http.request(method, step, **kwargs)
+                    outcome = self._send(method, step, **kwargs)
                 except httpx.TransportError as exc:
                     outcome = exc
                 step = plan.send(outcome)

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -25,6 +26,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
+from services.common.client import SyncServiceClient
 from services.retrieval_server.app import RetrievalServerSettings, create_app
 from services.retrieval_server.client import RetrievalClient, format_passages
 from tests.helpers import ROOT, service_process
@@ -452,10 +454,12 @@ def counting_socket_polls(counts: dict):
 
     counts["polls"] = 0
     sys.setprofile(profile)
+    threading.setprofile(profile)  # and in the threads started inside
     try:
         yield counts
     finally:
         sys.setprofile(None)
+        threading.setprofile(None)
 
 
 def test_64_concurrent_client_calls_each_keep_a_connection_and_poll_only_their_own(urls):
@@ -484,6 +488,40 @@ def test_64_concurrent_client_calls_each_keep_a_connection_and_poll_only_their_o
     assert reused == opened, "the next 64 calls reuse those connections, opening none"
     # each call checks its own idle connection once or twice; one pool of 64 polled 330 times a call.
     # 0 < : httpcore still checks this way (were it renamed, this would count nothing)
+    assert 0 < counts["polls"] <= 2 * 64, counts
+
+
+def test_64_threads_sharing_one_sync_client_each_keep_a_connection_and_poll_only_their_own(urls):
+    """The same for the SyncServiceClient (the reward hook verl calls, maybe from a thread pool): it held
+    one httpx.Client, whose pool walked and polled every connection on each call and kept 20 of them
+    alive (httpx's default), so a round of 64 threads left at most 20 for the next round to reuse."""
+    url, port = urls["flat"], httpx.URL(urls["flat"]).port
+    queries = QUESTIONS[:64]
+    expected = top_ids(url, queries, topk=1)
+    client = SyncServiceClient(url, retries=0, max_connections=64)
+
+    def round_of_calls(order: list[str]) -> list[list[str]]:
+        together = threading.Barrier(len(order))  # all 64 calls in flight at once
+
+        def call(query: str) -> list[str]:
+            together.wait(timeout=60)
+            body = client.post("/retrieve", {"queries": [query], "topk": 1, "return_scores": True})
+            return [hit["document"]["id"] for hit in body["result"][0]]
+
+        with ThreadPoolExecutor(len(order)) as pool:
+            return list(pool.map(call, order))
+
+    counts: dict = {}
+    try:
+        assert round_of_calls(queries) == expected
+        opened = connections_to(port)
+        with counting_socket_polls(counts):
+            assert round_of_calls(queries[::-1]) == expected[::-1]
+        reused = connections_to(port)
+    finally:
+        client.close()
+    assert 20 < len(opened) <= 64, "calls in flight together each held a connection, kept alive after"
+    assert reused == opened, "the next round reuses those connections, opening none"
     assert 0 < counts["polls"] <= 2 * 64, counts
 
 
