@@ -231,8 +231,10 @@ class _Lanes:
 
 
 class _ThreadLanes(_Lanes):
-    """_Lanes for callers on threads (httpx.Client lanes): 64 threads sharing one httpx.Client met the
-    same pool walk, and its 20 keep-alive connections by default made the others reconnect each call."""
+    """_Lanes for callers on threads (httpx.Client lanes). One shared httpx.Client kept 20 connections
+    alive (httpx's default), so 44 of 64 threads reconnected each call, and walked the others' on each;
+    the GIL spread that out (no collapse: bench/retrieval_server.py --client sync-service, BENCHMARKS.md),
+    but lanes cost the 64 threads a fifth less CPU and give the server ~5% more requests a second."""
 
     def __init__(self, size: int, replicas: int, timeout_s: float, headers: dict) -> None:
         super().__init__(size, replicas, timeout_s, headers)

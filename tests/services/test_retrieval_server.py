@@ -493,8 +493,8 @@ def test_64_concurrent_client_calls_each_keep_a_connection_and_poll_only_their_o
 
 def test_64_threads_sharing_one_sync_client_each_keep_a_connection_and_poll_only_their_own(urls):
     """The same for the SyncServiceClient (the reward hook verl calls, maybe from a thread pool): it held
-    one httpx.Client, whose pool walked and polled every connection on each call and kept 20 of them
-    alive (httpx's default), so a round of 64 threads left at most 20 for the next round to reuse."""
+    one httpx.Client, which kept 20 connections alive (httpx's default), so a round of 64 threads left at
+    most 20 for the next round and the rest reconnected."""
     url, port = urls["flat"], httpx.URL(urls["flat"]).port
     queries = QUESTIONS[:64]
     expected = top_ids(url, queries, topk=1)
