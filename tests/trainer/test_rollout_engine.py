@@ -7,6 +7,8 @@ decoding does not just repeat one token: equality with transformers then means s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -220,6 +222,60 @@ def test_n_samples_share_one_prefill(qwen):
         assert all(s.token_ids == hf_greedy(model, prompt, 10) for s in samples)  # copied KV is right
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=10, n=4, seed=0, ignore_eos=True))
     assert all(len({tuple(s.token_ids) for s in samples}) > 1 for samples in sampled)  # distinct samples
+
+
+def test_the_prompts_requested_in_one_turn_of_a_loop_are_prefilled_together(qwen):
+    """The worker hands the engine a turn's requests as one item: one prefill for the batch, then the
+    decode steps. One item a request, the engine thread started on the first alone (on a GPU host ~0.2 s
+    before the others, the loop taking turns with it at the GIL). A request cancelled before its turn
+    ended never reaches the engine."""
+    model, tok = qwen
+    prompts = encode(tok)
+    engine = engine_for(model, tok, max_running=16, context_length=256)
+    prefills: list[int] = []
+    launch = engine._launch_prefill
+
+    def counted(requests, width):
+        prefills.append(len(requests))
+        return launch(requests, width)
+
+    engine._launch_prefill = counted  # counts, then runs the engine's own prefill
+    worker = EngineWorker(engine)
+    sampling = SamplingParams(temperature=0, max_new_tokens=8, n=2, ignore_eos=True)
+
+    async def request(prompt):
+        checked = time.perf_counter() + 0.002  # what a replica does first (validation), holding the GIL
+        while time.perf_counter() < checked:
+            pass
+        return await worker.generate(prompt, sampling)
+
+    async def one_turn():
+        return await asyncio.gather(*(request(p) for p in prompts))
+
+    async def cancel_one():
+        long = dataclasses.replace(sampling, max_new_tokens=200)
+        tasks = [
+            asyncio.ensure_future(worker.generate(prompts[0], long)),
+            asyncio.ensure_future(one(prompts[1])),
+        ]
+        await asyncio.sleep(0)  # both requests made, their turn not over
+        tasks[0].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def one(prompt):
+        return await worker.generate(prompt, sampling)
+
+    try:
+        outputs = asyncio.run(one_turn())
+        assert prefills == [len(prompts)], prefills
+        assert [[s.token_ids for s in samples] for samples in outputs] == [
+            [hf_greedy(model, p, 8)] * 2 for p in prompts
+        ]
+        cancelled, finished = asyncio.run(cancel_one())
+        assert isinstance(cancelled, asyncio.CancelledError) and len(finished[0].token_ids) == 8
+        assert not engine.has_work  # the cancelled request's 200 tokens were never started
+    finally:
+        worker.close()
 
 
 def test_seed_reproduces_and_unseeded_follows_the_torch_rng(qwen):

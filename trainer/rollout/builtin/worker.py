@@ -33,6 +33,7 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._failures: dict[str, Callable[[BaseException], None]] = {}
         self._closed = False
+        self._turns: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[], None], Callable]]] = {}
         self.paused = False  # SGLang's pause_generation: requests stay queued, no step runs
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -56,6 +57,8 @@ class EngineWorker:
             loop.call_soon_threadsafe(_settle, future, None, exc)
 
         def add() -> None:
+            if future.done():  # cancelled before it reached the engine
+                return
             try:
                 request_id = self.engine.add(prompt, sampling, resolve, rid)
             except Exception as exc:  # noqa: BLE001 - the caller's request was refused: tell it why
@@ -65,7 +68,7 @@ class EngineWorker:
             holder.append(request_id)
 
         holder: list[str] = []
-        self._submit(add)
+        self._submit_with_turn(add, fail, loop)
         try:
             return await future
         except asyncio.CancelledError:
@@ -119,7 +122,34 @@ class EngineWorker:
     def _submit(self, fn: Callable[[], None]) -> None:
         if self._closed:
             raise EngineError("the engine worker is closed")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None and self._turns.get(loop):
+            self._end_turn(loop)  # this turn's requests first: what a caller submits keeps its order
         self._inbox.put(fn)
+
+    def _submit_with_turn(self, add: Callable[[], None], fail: Callable, loop: asyncio.AbstractEventLoop):
+        """Submit a request with the others made in this turn of `loop`, as one item: the engine admits a
+        batch's prompts together (one prefill, and the batch's CUDA-graph bucket from its first step). One
+        item a prompt, the engine thread woke on the first and started on it alone while the loop, taking
+        turns with it at the GIL, handed over the rest: in a profile of a 1-GPU step (H200) it prefilled one
+        prompt, captured a CUDA graph for its 8 samples, and prefilled the other 63 ~0.2 s later."""
+        if self._closed:
+            raise EngineError("the engine worker is closed")
+        turn = self._turns.setdefault(loop, [])
+        if not turn:
+            loop.call_soon(self._end_turn, loop)
+        turn.append((add, fail))
+
+    def _end_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        turn = self._turns.pop(loop, [])
+        if self._closed:  # closed within the turn: the engine thread is gone
+            for _, fail in turn:
+                fail(EngineError("the engine worker is closed"))
+        elif turn:
+            self._inbox.put(lambda: [add() for add, _ in turn])
 
     def _run(self) -> None:
         while True:
