@@ -6,9 +6,8 @@ head) another, as verl and torchtitan do; a role on one rank is one unit (`one_u
 is FSDP2's `MixedPrecisionPolicy`: the fp32 parameter shards are the master weights the optimizer
 updates; each unit's parameters are cast to bf16 when gathered for compute (or, with verl's
 `mixed_precision.param_dtype: fp32`, gathered in fp32 and computed under bf16 autocast, as one process
-does), and gradients are reduced in fp32. Gradients
-are SUMMED across ranks (divide factor 1), because each rank's loss is already its share of the global
-loss (see trainer/parallel/distributed.py).
+does), and gradients are reduced in fp32. Gradients are SUMMED across ranks (divide factor 1), because
+each rank's loss is already its share of the global loss (see trainer/parallel/distributed.py).
 
 Offload (verl's `fsdp_config` keys):
 - `offload_policy`: FSDP2's CPUOffloadPolicy: parameter shards, gradients and the optimizer step live
@@ -114,10 +113,11 @@ def one_unit(dp: DataParallel, settings: FSDPSettings) -> bool:
     Units a layer exist to gather each layer from the other ranks just before it runs and free it
     after; one rank has no one to gather from, so they only cost host time (~1.75 ms a layer a forward
     on an H200 host: the copies in and out, the hooks), enough to leave the GPU idle in a 0.5B update's
-    forwards. One unit gathers (copies) the whole model once a forward. The price is the bf16 copy of
-    every layer held at once (1 GB at 0.5B), which the per-layer units would free as they go;
-    `reshard_after_forward` has nothing to free between forward and backward. CPU offload keeps its
-    units a layer, which bound how much of the model is on the GPU at once.
+    first forwards. One unit gathers (copies) the whole model once a forward and keeps the bf16 copy to
+    the backward (`reshard_after_forward` has nothing to free); measured on one H200 (BENCHMARKS.md,
+    2026-11-29): the profiled update's GPU idle 172 -> 83 ms and its peak memory 4 GB lower, its
+    unprofiled wall time unchanged on that host. CPU offload keeps its units a layer, which bound how
+    much of the model is on the GPU at once.
     """
     return dp.world_size == 1 and not settings.offload_policy
 
