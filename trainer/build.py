@@ -165,8 +165,10 @@ async def build_run(cfg: Config) -> Run:
         model_path=arr.model.path,
         server_urls=server_urls_from_env(),
         gpus=visible_gpus(),
+        tp_size=arr.rollout.tensor_model_parallel_size,
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
         weights_dir=weights_dir_from_env(),
+        token=cfg.services.auth_token,
         loop=asyncio.get_running_loop(),
     )
     agent = None

@@ -229,6 +229,18 @@ def test_qwen3_quickstart_is_accepted_as_written(home, monkeypatch):
     assert said[0].startswith("rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet")
 
 
+def test_tensor_parallel_size_says_where_it_acts(home, monkeypatch):
+    # verl's Qwen3-8B GRPO example asks for rollout tp 2 with vllm, which runs on the built-in engine here
+    monkeypatch.delenv("REWARD_SERVER_URL", raising=False)
+    config = load_config(argv_of(GRPO_QWEN3))
+    assert (
+        "rollout: tensor_model_parallel_size=2 applies to SGLang servers; the builtin engine holds the "
+        "whole model on each policy rank's GPU"
+    ) in checks.notices(config)
+    sglang = load_config(argv_of(GRPO_QWEN3) + ["actor_rollout_ref.rollout.name=sglang"])
+    assert not any("tensor_model_parallel_size" in line for line in checks.notices(sglang))
+
+
 def test_ppo_quickstart_small(home):
     config = load_config(argv_of(small(PPO_QUICKSTART)))
     arr, critic = config.actor_rollout_ref, config.critic

@@ -63,16 +63,21 @@ def test_sglang_name_drives_the_servers_at_rollout_server_urls(tiny_model, seven
         "--context-length",
         "256",
     )
-    with service_process("trainer.rollout.server", *args) as (url, _):
+    # the server asks for the token the services get (services.auth_token): the trainer must send it
+    token = {"ROLLOUT_SERVER_AUTH_TOKEN": "s3cret"}
+    with service_process("trainer.rollout.server", *args, env=token) as (url, _):
+        assert httpx.post(url + "/generate", json={"input_ids": [1]}).status_code == 401
         train(
-            local_args(tiny_model, seven_data, tmp_path) + ["actor_rollout_ref.rollout.name=sglang"],
+            local_args(tiny_model, seven_data, tmp_path)
+            + ["actor_rollout_ref.rollout.name=sglang", "services.auth_token=s3cret"],
             env={"ROLLOUT_SERVER_URLS": url},
         )
         steps = [m for m in metrics_of(tmp_path) if "critic/score/mean" in m]
         assert [m["step"] for m in steps] == [1, 2]
         assert all(m["training/rollout_probs_diff_mean"] < 1e-4 for m in steps)
         # after each update the trainer wrote a checkpoint and the server loaded it
-        assert httpx.get(url + "/get_model_info").json()["model_path"] != str(tiny_model)
+        info = httpx.get(url + "/get_model_info", headers={"Authorization": "Bearer s3cret"}).json()
+        assert info["model_path"] != str(tiny_model)
 
 
 def test_a_run_whose_rewards_cannot_be_computed_stops_in_one_line(tiny_model, seven_data, tmp_path):  # noqa: F811

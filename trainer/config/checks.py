@@ -62,6 +62,11 @@ def notices(config: Config) -> list[str]:
             f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
             "engine (continuous batching, on each policy rank) generates instead"
         )
+    if rollout.tensor_model_parallel_size > 1 and rollout.engine != "sglang":
+        lines.append(
+            f"rollout: tensor_model_parallel_size={rollout.tensor_model_parallel_size} applies to SGLang "
+            f"servers; the {rollout.engine} engine holds the whole model on each policy rank's GPU"
+        )
     if rollout.n > 1 and not rollout.do_sample:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
     if config.no_effect_keys:

@@ -402,7 +402,10 @@ class RolloutConfig(Section):
         "steps (no re-allocation or graph capture a step; the update gets less memory).",
     )
     tensor_model_parallel_size: int = Field(
-        1, ge=1, description="Engine tensor parallel size; must divide the GPU count (as verl checks)."
+        1,
+        ge=1,
+        description="GPUs per SGLang server (rollout.name=sglang: one started per group of this many GPUs); "
+        "must divide the GPU count (as verl checks). The built-in engine holds a whole model per GPU.",
     )
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         None,

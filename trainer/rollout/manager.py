@@ -308,15 +308,17 @@ def build_rollout(
     gpu_memory_utilization: float = SGLANG_MEMORY_FRACTION,
     seeded: bool = True,
     weights_dir: str | None = None,
+    token: str | None = None,
     startup_timeout_s: float = 900.0,
     loop: asyncio.AbstractEventLoop | None = None,
 ) -> RolloutManager:
     """The run's rollout manager: over the policy ranks' colocated engines (`replicas`: hf, builtin), or
-    over SGLang servers (the given URLs, or one started per GPU group here and stopped by close()).
-    `seeded`: the loop sends sampling_seed (it always does), so started SGLang servers run with
+    over SGLang servers (the given URLs, or one started per group of `tp_size` GPUs here and stopped by
+    close()). `seeded`: the loop sends sampling_seed (it always does), so started SGLang servers run with
     --enable-deterministic-inference; servers given by URL are checked by the client instead.
     `weights_dir`: the folder weight checkpoints for the servers are written to (created here).
-    `loop`: the running loop the manager lives on (RolloutManager)."""
+    `token`: the bearer token sent to the servers (services.auth_token; servers started here listen
+    on loopback only and ask for none). `loop`: the running loop the manager lives on (RolloutManager)."""
     if name in ("hf", "builtin"):
         return RolloutManager(ReplicaPool(list(replicas)), pad_id=pad_id, loop=loop)
     if name == "sglang":
@@ -349,6 +351,7 @@ def build_rollout(
             list(server_urls),
             pad_id=pad_id,
             config_dir=model_path,
+            token=token,
             servers=servers,
             weights_dir=weights_dir,
             loop=loop,
