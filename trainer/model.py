@@ -210,11 +210,17 @@ def is_gradient_checkpointing(model: PreTrainedModel) -> bool:
 
 
 def _load(
-    auto_class, path: str, *, device, param_dtype, trust_remote_code, attn_implementation, **config_overrides
-):
+    auto_class,
+    path: str,
+    *,
+    device: torch.device | str = "cpu",
+    param_dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    config_overrides: dict | None = None,
+) -> PreTrainedModel:
     source = resolve_source(path)
-    config = _config_without_dropout(source, trust_remote_code, **config_overrides)
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    config = _config_without_dropout(source, trust_remote_code, **(config_overrides or {}))
     offline = _offline_kwargs(source)
     with _hub_errors(path, offline):
         model = auto_class.from_pretrained(
@@ -224,82 +230,35 @@ def _load(
             trust_remote_code=trust_remote_code,
             **source.kwargs(),
             **offline,
-            **extra,
         )
-    return model.to(device=device, dtype=param_dtype)
-
-
-def load_policy(
-    path: str,
-    *,
-    device: torch.device | str = "cpu",
-    param_dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    attn_implementation: str | None = None,
-) -> PreTrainedModel:
-    """The trainable causal LM (train mode)."""
-    model = _load(
-        AutoModelForCausalLM,
-        path,
-        device=device,
-        param_dtype=param_dtype,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-    )
+    model = model.to(device=device, dtype=param_dtype)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.train()
 
 
-def load_reference(
-    path: str,
-    *,
-    device: torch.device | str = "cpu",
-    param_dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
-) -> PreTrainedModel:
+# Each loader takes `path` (a hub id, a folder or a .gguf file) and _load's keywords: device, param_dtype,
+# trust_remote_code, gradient_checkpointing.
+
+
+def load_policy(path: str, **options) -> PreTrainedModel:
+    """The trainable causal LM (train mode)."""
+    return _load(AutoModelForCausalLM, path, **options)
+
+
+def load_reference(path: str, **options) -> PreTrainedModel:
     """The frozen reference policy: eval mode, no gradients."""
-    model = _load(
-        AutoModelForCausalLM,
-        path,
-        device=device,
-        param_dtype=param_dtype,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-    )
-    model.requires_grad_(False)
-    return model.eval()
+    return _load(AutoModelForCausalLM, path, **options).requires_grad_(False).eval()
 
 
-def load_critic(
-    path: str,
-    *,
-    device: torch.device | str = "cpu",
-    param_dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    attn_implementation: str | None = None,
-) -> PreTrainedModel:
+def load_critic(path: str, **options) -> PreTrainedModel:
     """The value model: the causal LM's backbone with a fresh scalar head per token (as verl builds it).
 
     AutoModelForTokenClassification with num_labels=1 keeps the checkpoint an ordinary HF model;
     the LM head of a causal checkpoint is dropped and `score` starts from the config's init.
     """
-    model = _load(
-        AutoModelForTokenClassification,
-        path,
-        device=device,
-        param_dtype=param_dtype,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-        num_labels=1,
-        classifier_dropout=0.0,
-    )
-    if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    return model.train()
+    overrides = {"num_labels": 1, "classifier_dropout": 0.0}
+    return _load(AutoModelForTokenClassification, path, config_overrides=overrides, **options)
 
 
 def backbone_and_head(model: PreTrainedModel) -> tuple[nn.Module, nn.Module]:

@@ -55,7 +55,7 @@ import numpy as np
 from services.common.client import backoff_delay
 from trainer.agent.formats import ToolCall, ToolFormat, ToolResult, Truncation, TruncateSide, encode_literal
 from trainer.agent.search import SearchStats, SearchTool
-from trainer.rollout.base import FinishReason, Rollout, SamplingParams
+from trainer.rollout.base import FinishReason, Rollout, SamplingParams, derived_seed
 
 FailurePolicy = Literal["text", "drop_group", "retry"]
 
@@ -293,12 +293,6 @@ class _Step:
         }
 
 
-def turn_seed(seed: int, trajectory: int, turn: int) -> int:
-    """A distinct, reproducible seed for every turn of every trajectory of a seeded batch."""
-    mixed = np.random.SeedSequence([seed & (2**63 - 1), trajectory, turn]).generate_state(1, np.uint64)[0]
-    return int(mixed >> np.uint64(1))
-
-
 class AgentLoop:
     def __init__(
         self,
@@ -377,7 +371,7 @@ class AgentLoop:
                 stop=stop,
                 seed=None
                 if sampling.seed is None
-                else turn_seed(sampling.seed, number, trajectory.assistant_turns),
+                else derived_seed(sampling.seed, number, trajectory.assistant_turns),
             )
             context = trajectory.prompt_ids + trajectory.response_ids
             (turn,) = await self.engine.generate_async([context], turn_sampling, key=key)

@@ -15,52 +15,19 @@ Components receive their own section (`config.actor_rollout_ref.actor`), never t
 Torch-free on purpose: the CLI, the docs and the launcher tests import it.
 """
 
-from trainer.config.accepted import NO_EFFECT_KEYS
-from trainer.config.checks import model_path_problem
-from trainer.config.cli import ConfigError, load_config, read_yaml_config, split_argv
-from trainer.config.keys import config_keys, unknown_key_message
+from trainer.config.cli import ConfigError, load_config
+from trainer.config.keys import config_keys
 from trainer.config.reference import config_reference_markdown
-from trainer.config.run import Config, ServicesConfig, TrainerConfig
-from trainer.config.schema import (
-    SECRET_KEYS,
-    ActorConfig,
-    ActorRolloutRefConfig,
-    AlgorithmConfig,
-    CriticConfig,
-    CustomRewardFunction,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    RefConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    Section,
-)
+from trainer.config.run import Config, ServicesConfig
+from trainer.config.schema import CustomRewardFunction, RewardModelConfig
 
 __all__ = [
-    "NO_EFFECT_KEYS",
-    "SECRET_KEYS",
-    "ActorConfig",
-    "ActorRolloutRefConfig",
-    "AlgorithmConfig",
     "Config",
     "ConfigError",
-    "CriticConfig",
     "CustomRewardFunction",
-    "DataConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "RefConfig",
     "RewardModelConfig",
-    "RolloutConfig",
-    "Section",
     "ServicesConfig",
-    "TrainerConfig",
     "config_keys",
     "config_reference_markdown",
     "load_config",
-    "model_path_problem",
-    "read_yaml_config",
-    "split_argv",
-    "unknown_key_message",
 ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 from collections.abc import Mapping, Sequence
 
 import httpx
@@ -218,9 +217,6 @@ class HttpReplica:
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         await self._call("POST", "/resume_memory_occupation", {"tags": list(tags) if tags else None})
 
-    async def flush_cache(self) -> None:
-        await self._call("POST", "/flush_cache")
-
     async def model_info(self) -> dict:
         return (await self._call("GET", "/get_model_info")).json()
 
@@ -233,14 +229,6 @@ class HttpReplica:
         except httpx.TransportError:
             return False
         return response.status_code == 200
-
-    async def wait_healthy(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
-        """Until /health answers 200 (SGLang: model loaded and warmed up); ReplicaDown on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while not await self.health():
-            if time.monotonic() > deadline:
-                raise ReplicaDown(f"{self.url} not healthy within {timeout_s:.0f}s")
-            await asyncio.sleep(poll_s)
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -33,6 +33,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.model import autocast
 from trainer.rollout.base import Rollout, SamplingParams
+from trainer.rollout.builtin import default_eos_ids
 from trainer.rollout.builtin.sampler import needs_floor, sampling_floors, token_seeds, torch_sample
 
 
@@ -78,16 +79,6 @@ def row_base_seeds(prompt_seeds: Sequence[int | None], n: int) -> np.ndarray:
         else:
             bases += token_seeds(np.full(n, seed, dtype=np.int64), -1 - np.arange(n)).tolist()
     return np.array(bases, dtype=np.int64)
-
-
-def default_eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The tokenizer's eos plus the generation config's eos ids (Qwen-Instruct: <|im_end|> and
-    <|endoftext|>).
-    """
-    ids = [tokenizer.eos_token_id]
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids += configured if isinstance(configured, (list, tuple)) else [configured]
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 class HFRolloutEngine:

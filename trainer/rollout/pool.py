@@ -43,7 +43,6 @@ class Replica(Protocol):
     async def update_weights_from_tensor(self, named_tensors, **kwargs) -> None: ...
     async def release_memory_occupation(self, tags=None) -> None: ...
     async def resume_memory_occupation(self, tags=None) -> None: ...
-    async def flush_cache(self) -> None: ...
     async def health(self) -> bool: ...
     async def close(self) -> None: ...
 
@@ -74,21 +73,13 @@ class ReplicaPool:
         self._room: asyncio.Condition | None = None
 
     @property
-    def replicas(self) -> list[Replica]:
-        return [m.replica for m in self.members]
-
-    @property
     def alive(self) -> list[Replica]:
         return [m.replica for m in self.members if m.alive]
-
-    async def generate(self, payload: dict, weight: int = 1, key: str | None = None) -> list[dict]:
-        """Send one /generate payload (weight: its sequences) to the least-loaded live replica."""
-        return await self._send(lambda replica: replica.generate(payload), weight, key)
 
     async def rollouts(
         self, payload: dict, prompt_index: int, weight: int = 1, key: str | None = None
     ) -> list[Rollout]:
-        """One prompt's samples as Rollouts, from the replica `generate` would pick."""
+        """One prompt's samples as Rollouts (weight: its sequences) from the least-loaded live replica."""
         return await self._send(lambda replica: replica.rollouts(payload, prompt_index), weight, key)
 
     def forget(self, keys) -> None:

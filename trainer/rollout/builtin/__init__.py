@@ -71,6 +71,8 @@ def load_engine(
 
 
 def default_eos_ids(source, tokenizer) -> tuple[int, ...]:
+    """The tokenizer's eos plus the generation config's eos ids (Qwen-Instruct: <|im_end|> and
+    <|endoftext|>); source: a model, or a checkpoint folder to read generation_config.json from."""
     ids = [getattr(tokenizer, "eos_token_id", None)]
     if isinstance(source, (str, Path)):
         from transformers import GenerationConfig

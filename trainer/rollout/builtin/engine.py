@@ -144,11 +144,6 @@ class BuiltinEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pending)
 
-    @property
-    def load(self) -> int:
-        """Sequences waiting or running (what a least-loaded router compares)."""
-        return sum(r.sampling.n for r in self.waiting) + len(self.running)
-
     def add(
         self,
         prompt: Sequence[int],

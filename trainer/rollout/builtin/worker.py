@@ -38,11 +38,6 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def load(self) -> int:
-        """Sequences waiting or running (read without a lock: a routing hint, not an invariant)."""
-        return self.engine.load
-
     async def generate(
         self, prompt: Sequence[int], sampling: SamplingParams, rid: str | None = None
     ) -> list[SequenceOutput]:
