@@ -141,7 +141,8 @@ async def build_run(cfg: Config) -> Run:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     device = resolve_device(trainer.device)
     tokenizer = load_tokenizer(
-        cfg.data.tokenizer or arr.model.path, trust_remote_code=arr.model.trust_remote_code
+        cfg.data.tokenizer or arr.model.path,
+        trust_remote_code=cfg.data.trust_remote_code or arr.model.trust_remote_code,
     )
     multi_turn = arr.rollout.multi_turn
     tools = agent_tools(multi_turn, cfg.services) if multi_turn.enable else None
@@ -247,7 +248,7 @@ def sampling_params(rollout, max_response_length: int, *, validation: bool) -> S
     return SamplingParams(
         temperature=kw.temperature if kw.do_sample else 0.0,
         top_p=kw.top_p,
-        top_k=kw.top_k,
+        top_k=kw.top_k or -1,  # the schema's 0 is off, as in vLLM
         max_new_tokens=max_response_length,
         stop=tuple(rollout.stop),
         stop_token_ids=tuple(rollout.stop_token_ids),

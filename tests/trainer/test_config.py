@@ -229,6 +229,19 @@ def test_qwen3_quickstart_is_accepted_as_written(home, monkeypatch):
     assert said[0].startswith("rollout: actor_rollout_ref.rollout.name=vllm is not wired in yet")
 
 
+def test_top_k_zero_is_off_and_a_shuffle_between_epochs_is_said_to_do_nothing():
+    from trainer.build import sampling_params
+
+    config = load_config(
+        ["actor_rollout_ref.rollout.top_k=0", "actor_rollout_ref.actor.shuffle=true", "critic.shuffle=true"]
+    )
+    rollout = config.actor_rollout_ref.rollout
+    assert sampling_params(rollout, 16, validation=False).top_k == -1  # SamplingParams refuses 0
+    assert sampling_params(rollout, 16, validation=True).top_k == -1
+    # verl's FSDP workers do not shuffle either; here the notice says so instead of a silent key
+    assert {"actor_rollout_ref.actor.shuffle", "critic.shuffle"} <= set(config.no_effect_keys)
+
+
 def test_tensor_parallel_size_says_where_it_acts(home, monkeypatch):
     # verl's Qwen3-8B GRPO example asks for rollout tp 2 with vllm, which runs on the built-in engine here
     monkeypatch.delenv("REWARD_SERVER_URL", raising=False)
@@ -476,6 +489,12 @@ def test_bad_input_names_the_key(argv, needle):
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
             ],
             "actor_rollout_ref.rollout.tensor_model_parallel_size (4) must divide the 2 GPU(s)",
+        ),
+        # one process trains on one device: it cannot be given two GPUs
+        (
+            ["trainer.n_gpus_per_node=2", "trainer.use_ray=false"],
+            "trainer.use_ray=false trains in this one process on one device, but "
+            "trainer.nnodes * trainer.n_gpus_per_node = 2 GPUs",
         ),
     ],
 )

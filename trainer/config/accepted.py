@@ -56,8 +56,8 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "actor_rollout_ref.actor",
             """
-            use_remove_padding use_fused_kernels checkpoint.async_save checkpoint.mbridge_config tau_pos
-            tau_neg freeze_vision_tower calculate_entropy use_prefix_grouper data_loader_seed
+            shuffle use_remove_padding use_fused_kernels checkpoint.async_save checkpoint.mbridge_config
+            tau_pos tau_neg freeze_vision_tower calculate_entropy use_prefix_grouper data_loader_seed
             calculate_sum_pi_squared sum_pi_squared_checkpointing optim.total_training_steps optim.clip_grad
             optim.num_cycles optim.optimizer_impl optim.override_optimizer_config optim.zero_indexed_step
             policy_loss.clip_cov_ratio
@@ -93,7 +93,8 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
         *_under(
             "critic",
             """
-            strategy rollout_n checkpoint.async_save checkpoint.mbridge_config ulysses_sequence_parallel_size
+            shuffle strategy rollout_n checkpoint.async_save checkpoint.mbridge_config
+            ulysses_sequence_parallel_size
             data_loader_seed profiler
             optim.total_training_steps optim.clip_grad optim.num_cycles optim.optimizer_impl
             optim.override_optimizer_config optim.zero_indexed_step

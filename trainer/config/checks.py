@@ -38,9 +38,15 @@ def checkpoint_problems(config: Config) -> list[str]:
 
 
 def ray_problems(config: Config) -> list[str]:
-    """More than one GPU (or trainer.use_ray=true) trains through Ray role groups: Ray must be installed."""
+    """More than one GPU (or trainer.use_ray=true) trains through Ray role groups: Ray must be installed,
+    and use_ray=false cannot ask for more than one GPU."""
     import importlib.util
 
+    if config.trainer.use_ray is False and config.world_size > 1:
+        return [
+            f"trainer.use_ray=false trains in this one process on one device, but {GPUS} = "
+            f"{config.world_size} GPUs: leave use_ray unset (or true) to train on all of them through Ray"
+        ]
     if not config.uses_ray or importlib.util.find_spec("ray") is not None:
         return []
     return [

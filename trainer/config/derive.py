@@ -205,7 +205,6 @@ def _fill_critic(config: Config) -> None:
         critic.model.use_remove_padding = arr.model.use_remove_padding
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
-    critic.shuffle = actor.shuffle if critic.shuffle is None else critic.shuffle
     critic.loss_agg_mode = critic.loss_agg_mode or actor.loss_agg_mode
     critic.use_dynamic_bsz = (
         actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz

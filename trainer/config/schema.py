@@ -253,7 +253,6 @@ class ActorConfig(Section):
         16384, ge=1, description="Tokens per micro-batch with use_dynamic_bsz (a longer sequence goes alone)."
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch of rollouts.")
-    shuffle: bool = Field(False, description="Reshuffle sequences between PPO epochs.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
     clip_ratio: float = Field(
         0.2, gt=0, lt=1, description="PPO clip epsilon; default of clip_ratio_low/high."
@@ -523,7 +522,6 @@ class CriticConfig(Section):
     ppo_epochs: int | None = Field(
         None, ge=1, description="Critic passes per batch. null: the actor's ppo_epochs."
     )
-    shuffle: bool | None = Field(None, description="Reshuffle between epochs. null: the actor's shuffle.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the critic's gradient norm.")
     cliprange_value: float = Field(
         0.5, gt=0, description="Value clipping: new values stay within old +- this."
