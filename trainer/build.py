@@ -180,7 +180,7 @@ async def build_run(cfg: Config) -> Run:
             tools,
             engine=rollout,
             tokenizer=tokenizer,
-            max_response_length=cfg.data.max_response_length,
+            max_response_length=arr.rollout.response_length,
         )
     return Run(
         cfg=cfg,
@@ -194,8 +194,9 @@ async def build_run(cfg: Config) -> Run:
         kl_ctrl=kl_controller(cfg.algorithm.kl_ctrl),
         advantage=advantage_settings(cfg.algorithm),
         plan=batch_plan(cfg),
-        sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=False),
-        val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
+        # rollout.response_length bounds generation, as in verl (data.max_response_length unless set)
+        sampling=sampling_params(arr.rollout, arr.rollout.response_length, validation=False),
+        val_sampling=sampling_params(arr.rollout, arr.rollout.response_length, validation=True),
         reward_options=reward_options(cfg.reward_model, cfg.data.max_response_length),
         total_steps=steps,
         profile=groups.policy.profile(),

@@ -499,7 +499,7 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
         response_lengths=batch.response_mask.sum(dim=-1),  # the model's tokens: tool output is not counted
         total_response_lengths=batch.response_lengths,
         prompt_lengths=batch.prompt_lengths,
-        max_response_length=cfg.data.max_response_length,
+        max_response_length=cfg.actor_rollout_ref.rollout.response_length,
         max_prompt_length=cfg.data.max_prompt_length,
         token_rewards=batch.token_scores,
         returns=batch.returns if run.critic else None,

@@ -490,6 +490,11 @@ def test_bad_input_names_the_key(argv, needle):
             ],
             "actor_rollout_ref.rollout.tensor_model_parallel_size (4) must divide the 2 GPU(s)",
         ),
+        # the engine's context is rollout.prompt_length + response_length: the prompts must fit
+        (
+            ["data.max_prompt_length=64", "actor_rollout_ref.rollout.prompt_length=32"],
+            "actor_rollout_ref.rollout.prompt_length (32) is less than data.max_prompt_length (64)",
+        ),
         # one process trains on one device: it cannot be given two GPUs
         (
             ["trainer.n_gpus_per_node=2", "trainer.use_ray=false"],

@@ -154,6 +154,12 @@ def batch_size_problems(config: Config) -> list[str]:
     )
     if config.use_critic:
         found += critic_batch_problems(config, reported=found)
+    if rollout.prompt_length is not None and rollout.prompt_length < config.data.max_prompt_length:
+        found.append(
+            f"actor_rollout_ref.rollout.prompt_length ({rollout.prompt_length}) is less than "
+            f"data.max_prompt_length ({config.data.max_prompt_length}): the engine's context would not hold "
+            "the longest prompts (leave it unset to follow data.max_prompt_length)"
+        )
     if world % rollout.tensor_model_parallel_size:
         found.append(
             "actor_rollout_ref.rollout.tensor_model_parallel_size "

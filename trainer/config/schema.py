@@ -380,7 +380,10 @@ class RolloutConfig(Section):
         None, ge=1, description="Longest prompt for the engine. null: data.max_prompt_length."
     )
     response_length: int | None = Field(
-        None, ge=1, description="Most new tokens per response. null: data.max_response_length."
+        None,
+        ge=1,
+        description="Most tokens generated per response (a multi-turn trajectory's model and tool "
+        "tokens), as in verl. null: data.max_response_length.",
     )
     stop: list[str] = Field(default_factory=list, description="Strings that end a response (kept in it).")
     stop_token_ids: list[int] = Field(
