@@ -181,6 +181,8 @@ async def build_run(cfg: Config) -> Run:
             engine=rollout,
             tokenizer=tokenizer,
             max_response_length=arr.rollout.response_length,
+            chat_template=arr.model.custom_chat_template,
+            template_kwargs=data.apply_chat_template_kwargs,
         )
     return Run(
         cfg=cfg,

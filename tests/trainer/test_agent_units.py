@@ -154,6 +154,25 @@ def test_hermes_observation_is_the_chat_template_of_tool_messages(qwen_tok):
     )
 
 
+def test_hermes_turns_after_a_tool_open_with_the_prompts_template_and_kwargs(qwen_tok):
+    # a template whose generation prompt depends on a kwarg, as Qwen3's does on enable_thinking: the turn
+    # after a tool's answer must open as the prompt's first turn did
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>"
+        "{% if not enable_thinking %}[no think]{% endif %}{% endif %}"
+    )
+    fmt = make_format("hermes", qwen_tok, chat_template=template, template_kwargs={"enable_thinking": False})
+    ids = fmt.observation([encode_literal(qwen_tok, "R")], turn_tail="")
+    assert qwen_tok.decode(ids) == "</assistant><tool>R</tool><assistant>[no think]"
+    thinking = make_format(
+        "hermes", qwen_tok, chat_template=template, template_kwargs={"enable_thinking": True}
+    )
+    assert qwen_tok.decode(thinking.observation([encode_literal(qwen_tok, "R")], turn_tail="")).endswith(
+        "<assistant>"
+    )
+
+
 def test_tool_output_cannot_inject_control_tokens(qwen_tok):
     ids = encode_literal(qwen_tok, "passage <|im_end|> text")
     assert qwen_tok.convert_tokens_to_ids("<|im_end|>") not in ids

@@ -49,9 +49,18 @@ def agent_settings(multi_turn, max_response_length: int) -> AgentSettings:
 
 
 async def build_agent(
-    multi_turn, services, tools: ToolSet, *, engine: TurnEngine, tokenizer, max_response_length: int
+    multi_turn,
+    services,
+    tools: ToolSet,
+    *,
+    engine: TurnEngine,
+    tokenizer,
+    max_response_length: int,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> AgentLoop:
-    """The loop over `engine`, every tool's service already healthy (ServiceError if one never is)."""
+    """The loop over `engine`, every tool's service already healthy (ServiceError if one never is).
+    chat_template, template_kwargs: those the prompts are rendered with (the hermes format's turns too)."""
     async with AsyncExitStack() as cleanup:  # closes the clients made so far if a later step fails
         runners = []
         for spec in tools.tools:
@@ -65,6 +74,8 @@ async def build_agent(
             tokenizer,
             max_parallel_calls=multi_turn.max_parallel_calls,
             tool_names=tools.names,
+            chat_template=chat_template,
+            template_kwargs=template_kwargs,
         )
         loop = AgentLoop(
             engine, tokenizer, tool_format, runners, agent_settings(multi_turn, max_response_length)

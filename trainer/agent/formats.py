@@ -203,10 +203,23 @@ def tool_call_from_json(body: str, tool_names: Sequence[str]) -> ToolCall:
 class HermesFormat:
     name: FormatName = "hermes"
 
-    def __init__(self, tokenizer, *, max_parallel_calls: int = 1, tool_names: Sequence[str] = (SEARCH_TOOL,)):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_parallel_calls: int = 1,
+        tool_names: Sequence[str] = (SEARCH_TOOL,),
+        chat_template: str | None = None,
+        template_kwargs: dict | None = None,
+    ):
         """With one call per turn, generation stops at the closed call; with more, at the end of the
-        assistant message (the model's own end-of-turn token, which it is then trained to write)."""
+        assistant message (the model's own end-of-turn token, which it is then trained to write).
+        chat_template, template_kwargs: the ones the prompts were rendered with (model.custom_chat_template,
+        data.apply_chat_template_kwargs), so a turn after a tool's answer opens as the first did (Qwen3's
+        enable_thinking=false adds its empty think block to every generation prompt)."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.template_kwargs = dict(template_kwargs or {})
         self.tool_names = tuple(tool_names)
         self.max_parallel_calls = max_parallel_calls
         self.stop = ("</tool_call>",) if max_parallel_calls == 1 else ()
@@ -240,7 +253,13 @@ class HermesFormat:
                 {"role": "assistant", "content": _ASSISTANT_MARK},
                 *({"role": "tool", "content": mark} for mark in marks),
             ]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=True,
+                tokenize=False,
+                chat_template=self.chat_template,
+                **self.template_kwargs,
+            )
             if _ASSISTANT_MARK not in text or not all(mark in text for mark in marks):
                 raise ValueError(
                     "the tokenizer's chat template does not render tool messages; use "
@@ -256,16 +275,29 @@ class HermesFormat:
 
 
 def make_format(
-    name: FormatName, tokenizer, *, max_parallel_calls: int = 1, tool_names: Sequence[str] = (SEARCH_TOOL,)
+    name: FormatName,
+    tokenizer,
+    *,
+    max_parallel_calls: int = 1,
+    tool_names: Sequence[str] = (SEARCH_TOOL,),
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> ToolFormat:
-    """The format of multi_turn.format over the run's tools (search_r1: the search tool alone)."""
+    """The format of multi_turn.format over the run's tools (search_r1: the search tool alone; hermes:
+    the chat template's tool messages, rendered with the prompts' template and kwargs)."""
     if name == "search_r1":
         if len(tool_names) != 1:
             tools = list(tool_names)
             raise ValueError(f"multi_turn.format=search_r1 calls one tool, the search; the run has {tools}")
         return SearchR1Format(tokenizer, tool_name=tool_names[0])
     if name == "hermes":
-        fmt = HermesFormat(tokenizer, max_parallel_calls=max_parallel_calls, tool_names=tool_names)
+        fmt = HermesFormat(
+            tokenizer,
+            max_parallel_calls=max_parallel_calls,
+            tool_names=tool_names,
+            chat_template=chat_template,
+            template_kwargs=template_kwargs,
+        )
         fmt.template_pieces(1)  # fail at start, not mid-rollout, on a template without tool messages
         return fmt
     raise ValueError(f"multi_turn.format must be search_r1 or hermes, not {name!r}")
