@@ -170,6 +170,7 @@ async def build_run(cfg: Config) -> Run:
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
         weights_dir=weights_dir_from_env(),
         token=cfg.services.auth_token,
+        trust_remote_code=arr.model.trust_remote_code,
         loop=asyncio.get_running_loop(),
     )
     agent = None

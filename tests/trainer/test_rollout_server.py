@@ -355,6 +355,8 @@ def test_sglang_command_line():
     # the launcher's servers for a seeded run (build_rollout passes seeded=True: the loop always seeds)
     started = sglang_servers("/models/qwen", ["0", "1"], deterministic_inference=True).servers
     assert all("--enable-deterministic-inference" in server.argv for server in started)
+    assert "--trust-remote-code" not in seeded
+    assert sglang_command("/models/custom", port=30002, trust_remote_code=True)[-1] == "--trust-remote-code"
     assert gpu_groups(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
     with pytest.raises(ValueError, match="tensor-parallel"):
         gpu_groups(["0", "1", "2"], 2)

@@ -120,9 +120,12 @@ class _Checkpointed:
     offloader: Offloader
     dp: DataParallel
     hf_source: str
+    trust_remote_code: bool
 
     def save(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
-        tokenizer = load_tokenizer(self.hf_source) if self.dp.rank == 0 else None
+        tokenizer = None
+        if self.dp.rank == 0:
+            tokenizer = load_tokenizer(self.hf_source, trust_remote_code=self.trust_remote_code)
         with self.offloader.on_device():
             save_role_state(
                 Path(directory),
@@ -184,6 +187,7 @@ class PolicyRank(_Checkpointed):
             )
         model = shard_model(model, dp, settings.model.fsdp, device)
         self.dp, self.device, self.hf_source = dp, device, settings.model.path
+        self.trust_remote_code = settings.model.trust_remote_code
         self.compute_dtype = settings.model.compute_dtype
         self.trained = Policy(
             model,
@@ -318,6 +322,7 @@ class CriticRank(_Checkpointed):
             gradient_checkpointing=settings.model.gradient_checkpointing,
         )
         self.dp, self.device, self.hf_source = dp, device, settings.model.path
+        self.trust_remote_code = settings.model.trust_remote_code
         self.trained = Critic(
             model,
             settings.optim,

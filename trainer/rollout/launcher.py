@@ -43,10 +43,12 @@ def sglang_command(
     api_key: str | None = None,
     enable_memory_saver: bool = True,
     deterministic_inference: bool = False,
+    trust_remote_code: bool = False,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
-    """deterministic_inference: seeded sampling (batch-invariant kernels, at some cost in throughput)."""
+    """deterministic_inference: seeded sampling (batch-invariant kernels, at some cost in throughput).
+    trust_remote_code: the model's own code may run (model.trust_remote_code)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path]
     argv += ["--host", host, "--port", str(port), "--tp-size", str(tp_size), "--dtype", dtype]
     if mem_fraction_static is not None:
@@ -59,6 +61,8 @@ def sglang_command(
         argv.append("--enable-memory-saver")
     if deterministic_inference:
         argv.append("--enable-deterministic-inference")
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
     return argv + list(extra_args)
 
 
