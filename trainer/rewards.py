@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from services.reward_server.schemas import RewardOptions, RewardResult
+from services.scoring.shaping import overlong_penalty
 from trainer.data import PromptRecord
 from trainer.rollout.base import Rollout
 
@@ -123,7 +124,9 @@ def scores_of(results: Sequence[RewardResult]) -> Scores:
 
 class CustomFunctionScorer:
     """verl's custom_reward_function: `fn(data_source, solution_str, ground_truth, extra_info) -> float |
-    dict`.
+    dict`. DAPO's overlong penalty (reward_model.overlong_buffer) is added to what it returns, as verl's
+    DAPO reward manager does whatever function scores; the built-in scorers' own knobs (gsm8k_method,
+    format_score) do not reach it.
     """
 
     def __init__(self, path: str, name: str) -> None:
@@ -137,14 +140,21 @@ class CustomFunctionScorer:
         self.fn: Callable[..., Any] = getattr(module, name)
 
     async def score(self, items: Sequence[dict], options: RewardOptions | None = None) -> list[RewardResult]:
-        return await asyncio.to_thread(lambda: [self._one(item) for item in items])
+        return await asyncio.to_thread(lambda: [self._one(item, options) for item in items])
 
-    def _one(self, item: dict) -> RewardResult:
+    def _one(self, item: dict, options: RewardOptions | None) -> RewardResult:
         value = self.fn(item["data_source"], item["response"], item["ground_truth"], item.get("extra_info"))
         if inspect.isawaitable(value):
             raise TypeError("custom_reward_function must be synchronous")
         score = float(value["score"] if isinstance(value, dict) else value)
         correct = bool(value.get("acc", score > 0)) if isinstance(value, dict) else score > 0
+        if options is not None and options.overlong_enable:
+            score += overlong_penalty(
+                item["extra_info"]["response_length"],
+                options.overlong_max_len,
+                options.overlong_buffer_len,
+                options.overlong_penalty_factor,
+            )
         return RewardResult(score=score, correct=correct)
 
     def close(self) -> None:

@@ -328,3 +328,26 @@ def test_a_step_whose_every_group_had_a_tool_fail_stops_with_a_service_error():
     with pytest.raises(ServiceError, match="every one of the 2 prompt groups"):
         asyncio.run(collect_batch(run, 1, {}))
     assert run.scorer.scored == []
+
+
+def test_a_custom_reward_function_gets_dapos_overlong_penalty_as_in_verl(tmp_path):
+    from trainer.rewards import CustomFunctionScorer, reward_options
+
+    (tmp_path / "score.py").write_text("def score(source, response, truth, extra):\n    return 1.0\n")
+    config = load_config(
+        [
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=4",
+            "reward_model.overlong_buffer.penalty_factor=1.0",
+            "data.max_response_length=16",
+        ]
+    )
+    options = reward_options(config.reward_model, 16)
+    scorer = CustomFunctionScorer(str(tmp_path / "score.py"), "score")
+    items = [
+        {"data_source": "x", "response": "r", "ground_truth": "1", "extra_info": {"response_length": n}}
+        for n in (12, 14, 16)
+    ]
+    shaped = asyncio.run(scorer.score(items, options))
+    assert [r.score for r in shaped] == [1.0, 0.5, 0.0]  # 0 up to 16 - 4 tokens, then linear to -1
+    assert [r.score for r in asyncio.run(scorer.score(items))] == [1.0, 1.0, 1.0]
