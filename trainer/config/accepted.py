@@ -115,7 +115,7 @@ NO_EFFECT_KEYS: frozenset[str] = frozenset(
             micro_batch_size_per_gpu max_length use_dynamic_bsz forward_max_token_len_per_gpu
             ulysses_sequence_parallel_size enable_resource_pool n_gpus_per_node nnodes reward_loop_source
             reward_loop_module_path reward_loop_class_name profiler use_reward_loop
-            num_workers rollout reward_kwargs
+            num_workers rollout reward_kwargs overlong_buffer.log
             """,
         ),
         # the code-executor bounds its own runs (its --workers); each test case asks for 1024 MiB, verl's

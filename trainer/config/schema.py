@@ -538,7 +538,6 @@ class OverlongBuffer(Section):
         0, ge=0, description="Buffer before max_response_length where the penalty grows linearly."
     )
     penalty_factor: float = Field(1.0, ge=0, description="Penalty at the length limit.")
-    log: bool = Field(False, description="Log the penalty as a metric.")
 
 
 class SandboxFusionConfig(Section):
