@@ -313,8 +313,8 @@ class MultiTurnConfig(Section):
     enable: bool = Field(
         False,
         description="Multi-turn rollouts that call tools while they generate: the search tool (the "
-        "retrieval-server) and the code interpreter (the code-executor); the built-in engine generates "
-        "them (trainer/agent/).",
+        "retrieval-server) and the code interpreter (the code-executor), through trainer/agent/ on the "
+        "run's engine (builtin for hf; sglang servers as they are).",
     )
     format: Literal["hermes", "search_r1"] = Field(
         "hermes",
