@@ -50,7 +50,6 @@ from trainer.checkpoint import (
     find_resume_checkpoint,
     latest_checkpoint,
     load_checkpoint,
-    load_train_state,
     save_checkpoint,
 )
 from trainer.config import Config
@@ -575,7 +574,7 @@ async def resume(run: Run) -> int:
     """Restore the latest (or named) checkpoint, open the tracker (same run id), return the last done step."""
     cfg = run.cfg
     path = find_resume_checkpoint(checkpoint_root(cfg), cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
-    state = load_train_state(path) if path is not None else TrainState(step=0)
+    state = TrainState(step=0)
     if path is not None:
         state = load_checkpoint(path, roles=checkpoint_roles(run), contents=checkpoint_contents(cfg, "load"))
         run.source.restore(state.data_cursor)
