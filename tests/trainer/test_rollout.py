@@ -166,24 +166,6 @@ def test_length_finish_reason_and_max_new_tokens(tiny, prompts):
     assert {r.finish_reason for r in rollouts} == {"length"}
 
 
-def test_load_weights_copies_a_policy_and_is_a_no_op_when_colocated(tiny, prompts, tmp_path):
-    model, tok = tiny
-    other = load_policy(str(make_tiny_model(tmp_path / "other", hidden=64, layers=2, seed=99)))
-    separate = HFRolloutEngine(other, tok)
-    sampling = SamplingParams(max_new_tokens=8, seed=4)
-    before = separate.generate(prompts, sampling)
-    separate.load_weights(model)
-    after = separate.generate(prompts, sampling)
-    expected = engine(tiny).generate(prompts, sampling)
-    assert [r.response_ids for r in after] == [r.response_ids for r in expected]
-    assert [r.logprobs for r in after] == [r.logprobs for r in expected] != [r.logprobs for r in before]
-    colocated = engine(tiny)
-    colocated.load_weights(model)  # the same module: nothing to copy
-    assert colocated.model is model
-    separate.load_weights({name: torch.zeros_like(p) for name, p in other.state_dict().items()})
-    assert all(bool((p == 0).all()) for p in other.parameters())
-
-
 def test_generate_restores_training_mode(tiny, prompts):
     model, _ = tiny
     model.train()

@@ -1,4 +1,4 @@
-"""The built-in rollout engine: batched sampling from a transformers causal LM with a KV cache.
+"""The transformers rollout engine (rollout.name=hf): batched sampling from a causal LM with a KV cache.
 
 Its own decoding loop rather than `model.generate`, so that it controls exactly what the trainer needs:
 the logprob of each sampled token under log_softmax(logits / temperature) (see rollout/base.py), stops
@@ -9,14 +9,9 @@ forced forward does), each distinct prompt is run once to fill the cache (its n 
 prefill), then one token per step for every unfinished row. A response ends right after the token that
 is a stop token id (eos and im_end by default) or that completes a stop string; that token is kept and
 trained on, so the policy learns to stop. Rows that finished keep being fed padding until the whole
-batch is done; it is simple and correct, and the fast engine of a later issue does continuous batching
-instead.
-
-Colocated use: the engine can share the policy's module, so `load_weights(policy_model)` is a no-op
-(it samples from the live parameters); given another module or a state dict it copies the weights.
-On GPU the shared module is fp32 under bf16 autocast, which re-casts every weight at every decode
-step; an engine over its own bf16 copy of the model (load_weights then copies and casts) decodes
-faster for the price of that copy's memory.
+batch is done: simple and correct, a reference for the built-in engine (trainer/rollout/builtin/), which
+batches continuously. A policy rank's copy (trainer/workers/engines.py) is its own bf16 model on GPU,
+given the policy's weights after each update (`HFReplica.load_weights_now`).
 """
 
 from __future__ import annotations
@@ -250,17 +245,6 @@ class HFRolloutEngine:
                 )
             )
         return rollouts
-
-    def load_weights(self, state_dict_or_model: nn.Module | dict[str, Tensor]) -> None:
-        """Colocated (the same module as the policy): nothing to do. Otherwise copy the weights in."""
-        if state_dict_or_model is self.model:
-            return
-        state = (
-            state_dict_or_model.state_dict()
-            if isinstance(state_dict_or_model, nn.Module)
-            else state_dict_or_model
-        )
-        self.model.load_state_dict(state)
 
     def release_memory(self) -> None:
         """The KV cache lives only inside generate(); hand the CUDA allocator's free blocks back."""
