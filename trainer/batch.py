@@ -93,18 +93,20 @@ class TrainBatch:
             )
         batch_size = len(rollouts)
         input_ids = torch.full((batch_size, prompt_width + width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
         response_mask = torch.zeros(batch_size, width, dtype=torch.float32)
         rollout_logprobs = torch.zeros(batch_size, width, dtype=torch.float32)
-        # every row's tokens at once (one tensor per field, not three a row: 2,048 rows took 0.23 s)
+        # Every row's values at once: each field's values end to end, written through a mask of where
+        # they go (a mask's True cells run in row-major order, as the values do). One tensor per field,
+        # not three a row (2,048 rows took 0.23 s); masks, not (row, column) index lists (2.3x faster).
         prompt_lengths = torch.tensor([len(r.prompt_ids) for r in rollouts], dtype=torch.long)
         response_lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long)
-        rows, columns = _ragged_positions(prompt_lengths + response_lengths, prompt_width - prompt_lengths)
-        input_ids[rows, columns] = _flat([r.prompt_ids + r.response_ids for r in rollouts], np.int64)
-        attention_mask[rows, columns] = 1
-        rows, columns = _ragged_positions(response_lengths, torch.zeros_like(response_lengths))
-        response_mask[rows, columns] = _flat([r.loss_mask for r in rollouts], np.float32)
-        rollout_logprobs[rows, columns] = _flat([r.logprobs for r in rollouts], np.float32)
+        in_prompt = torch.arange(prompt_width) >= (prompt_width - prompt_lengths)[:, None]  # left-padded
+        in_response = torch.arange(width) < response_lengths[:, None]
+        input_ids[:, :prompt_width][in_prompt] = _flat([r.prompt_ids for r in rollouts], np.int64)
+        input_ids[:, prompt_width:][in_response] = _flat([r.response_ids for r in rollouts], np.int64)
+        attention_mask = torch.cat([in_prompt, in_response], dim=1).long()
+        response_mask[in_response] = _flat([r.loss_mask for r in rollouts], np.float32)
+        rollout_logprobs[in_response] = _flat([r.logprobs for r in rollouts], np.float32)
         sources = None
         if data_sources is not None:
             sources = tuple(data_sources[r.prompt_index] for r in rollouts)
@@ -192,14 +194,6 @@ def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.contiguous().pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
-
-
-def _ragged_positions(lengths: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
-    """(row, column) of every element of rows that hold lengths[i] values from column starts[i]."""
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    first = torch.cumsum(lengths, 0) - lengths  # each row's first element in the flat order
-    columns = torch.arange(int(lengths.sum())) - first[rows] + starts[rows]
-    return rows, columns
 
 
 def _flat(rows: list[list], dtype: np.dtype) -> Tensor:
