@@ -363,7 +363,12 @@ def trainer_argv(opts: argparse.Namespace, services: list[ServiceSpec]) -> tuple
 
 
 def child_env(services: list[ServiceSpec]) -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", **{s.url_var: s.url for s in services}}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **{s.url_var: s.url for s in services}}
+    token = env.get("CODE_EXECUTOR_AUTH_TOKEN")
+    if token:  # the code-executor's token, shared by the group as serve_reward.sh and train.sh share it
+        env.setdefault("REWARD_SERVER_CODE_EXECUTOR_TOKEN", token)
+        env.setdefault("SERVICES_AUTH_TOKEN", token)
+    return env
 
 
 # ------------------------------------------------------------------------------------ state file

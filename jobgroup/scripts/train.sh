@@ -9,7 +9,8 @@
 #   TRAIN_BATCH_SIZE=256  VAL_BATCH_SIZE= (empty: the whole validation split)  PPO_MINI_BATCH_SIZE=64
 #   ROLLOUT_N=4  ACTOR_LR=1e-6  KL_LOSS_COEF=0.001  MAX_PROMPT_LENGTH=512  MAX_RESPONSE_LENGTH=1024
 #   PPO_MICRO_BATCH_SIZE_PER_GPU=8  LOG_PROB_MICRO_BATCH_SIZE_PER_GPU=16 (see the memory note below)
-#   ROLLOUT_ENGINE=hf  GPU_MEMORY_UTILIZATION= (empty: not passed; an external engine's share)
+#   ROLLOUT_ENGINE=auto (the built-in engine; hf: transformers, slowest)  GPU_MEMORY_UTILIZATION= (empty:
+#     not passed; the share of the GPU the built-in engine's weights and KV cache may take)
 #   SAVE_FREQ=20  TEST_FREQ=10
 #   PROJECT_NAME or WANDB_PROJECT_NAME=rl-jobgroup  EXPERIMENT_NAME or WANDB_EXPERIMENT_NAME=grpo-$DATASET
 #   CHECKPOINT_DIR=checkpoints (checkpoints go to $CHECKPOINT_DIR/$PROJECT_NAME/$EXPERIMENT_NAME and
@@ -27,6 +28,7 @@
 #   NNODES / GPUS_PER_NODE (default from SKYPILOT_NUM_NODES / SKYPILOT_NUM_GPUS_PER_NODE, else 1)
 #   DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL, CODE_EXECUTOR_URL: the services
 #     (comma-separated replicas; the tool configs read RETRIEVAL_SERVER_URL and CODE_EXECUTOR_URL themselves)
+#   SERVICES_AUTH_TOKEN (else CODE_EXECUTOR_AUTH_TOKEN): the bearer token the trainer sends the services
 #   WANDB_API_KEY: when set, metrics also go to Weights & Biases
 #   DRY_RUN=true prints the command instead of running it.
 #
@@ -36,7 +38,8 @@
 #   reference (the KL loss), fp32 weights                                      =  2 GB
 #   generation, all 256 x 4 = 1024 sequences at once, up to 512 + 1024 tokens, bf16 KV cache
 #     24 layers x 2 (K, V) x 2 heads x 64 x 2 bytes = 12 KiB per token -> 1024 x 1536 x 12 KiB
-#     = 18 GiB, twice that while the cache grows (each step copies it)       = 36 GB
+#     = 18 GiB; the built-in engine takes at most gpu_memory_utilization of the card and runs fewer
+#     sequences at once if they do not fit; ROLLOUT_ENGINE=hf's cache grows by copies: twice that  <= 36 GB
 #   an update micro-batch of 8 x 1536 tokens (gradient checkpointing): saved layer inputs
 #     8 x 1536 x 896 x 2 B x 24 = 0.5 GB, one layer's recompute ~0.4 GB, LM-head chunks of 1024
 #     tokens x 151936 x 4 B = 0.6 GB and its gradient                         ~  2.5 GB
@@ -61,7 +64,7 @@ ACTOR_LR=${ACTOR_LR:-1e-6}
 KL_LOSS_COEF=${KL_LOSS_COEF:-0.001}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-1024}
-ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-hf}
+ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-auto}
 GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-}
 SAVE_FREQ=${SAVE_FREQ:-20}
 TEST_FREQ=${TEST_FREQ:-10}
@@ -125,6 +128,12 @@ args=(
 # Quoted: Hydra reads an unquoted a,b as a sweep; the trainer splits the quoted list into replicas.
 [ -n "${DATA_SERVER_URL:-}" ] && args+=("services.data_url='$DATA_SERVER_URL'")
 [ -n "${REWARD_SERVER_URL:-}" ] && args+=("services.reward_url='$REWARD_SERVER_URL'")
+# The bearer token the group's services ask for (the code-executor's own setting, shared by the group's
+# tasks, as serve_reward.sh reads it): the trainer sends it (services.auth_token, from the environment so
+# that it stays out of the command line this script prints)
+if [ -z "${SERVICES_AUTH_TOKEN:-}" ] && [ -n "${CODE_EXECUTOR_AUTH_TOKEN:-}" ]; then
+  export SERVICES_AUTH_TOKEN=$CODE_EXECUTOR_AUTH_TOKEN
+fi
 # The tools: search (USE_RETRIEVAL), the code interpreter (USE_CODE_EXECUTOR) or both. With any, the
 # rollouts are multi-turn: each trajectory calls its tools as it generates (trainer/agent/).
 tool_config='' default_format=hermes

@@ -446,6 +446,23 @@ def test_train_sh_maps_the_trainer_envs_to_trainer_keys():
     )
     assert keys["services.data_url"] == "'http://data-server-0.g2:8000'"
     assert argv[-1] == "actor_rollout_ref.rollout.n=8"  # extra keys come last, so they win
+    assert keys["actor_rollout_ref.rollout.name"] == "auto"  # the built-in engine, not transformers'
+
+
+def test_train_sh_hands_the_groups_token_to_the_trainer_off_the_command_line(tmp_path):
+    # the code-executor's token (the group's shared setting) reaches the trainer as SERVICES_AUTH_TOKEN,
+    # which services.auth_token reads: in the environment, not in the command line train.sh prints
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\necho "token=$SERVICES_AUTH_TOKEN"\necho "args=$*"\n')
+    fake_python.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "PYTHON": str(fake_python), "CODE_EXECUTOR_AUTH_TOKEN": "s3cret"}
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "train.sh")], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "token=s3cret" in lines
+    assert not any("s3cret" in line for line in lines if not line.startswith("token="))
 
 
 def test_train_sh_math_variant_has_no_retrieval_and_console_only_without_secret():

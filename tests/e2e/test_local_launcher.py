@@ -358,6 +358,10 @@ def test_the_code_executor_url_reaches_the_reward_server_and_the_trainer(tmp_pat
     reward = list(services["reward-server"].argv)
     assert reward[reward.index("--code-executor-url") + 1] == code.url  # code rows scored there
     assert local.child_env(list(services.values()))["CODE_EXECUTOR_URL"] == code.url  # the tool config's
+    # the code-executor's token: the reward-server sends it with code rows, the trainer with its tool calls
+    monkeypatch.setenv("CODE_EXECUTOR_AUTH_TOKEN", "s3cret")
+    env = local.child_env(list(services.values()))
+    assert env["REWARD_SERVER_CODE_EXECUTOR_TOKEN"] == env["SERVICES_AUTH_TOKEN"] == "s3cret"
     argv = local.trainer_argv(opts, list(services.values()))
     keys = dict(arg.split("=", 1) for arg in argv[3:])
     tools = "search_code_tool_config.yaml" if with_search else "code_tool_config.yaml"

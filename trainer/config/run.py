@@ -136,7 +136,12 @@ class ServicesConfig(Section):
         description="retrieval-server URL(s) of the multi-turn search tool (when no tool config names one).",
         json_schema_extra={"env": "RETRIEVAL_SERVER_URL", "fallback": "http://127.0.0.1:8002"},
     )
-    auth_token: str | None = Field(None, description="Bearer token sent to every service (never printed).")
+    auth_token: str | None = Field(
+        default_factory=lambda: os.environ.get("SERVICES_AUTH_TOKEN") or None,
+        description="Bearer token sent to every service and rollout server (never printed); the env var "
+        "keeps it off the command line.",
+        json_schema_extra={"env": "SERVICES_AUTH_TOKEN", "fallback": "none"},
+    )
     timeout_s: float = Field(30.0, gt=0, description="Timeout of one HTTP request.")
     retries: int = Field(
         5,
