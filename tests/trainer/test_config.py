@@ -252,6 +252,8 @@ def test_tensor_parallel_size_says_where_it_acts(home, monkeypatch):
     ) in checks.notices(config)
     sglang = load_config(argv_of(GRPO_QWEN3) + ["actor_rollout_ref.rollout.name=sglang"])
     assert not any("tensor_model_parallel_size" in line for line in checks.notices(sglang))
+    two_nodes = load_config(["actor_rollout_ref.rollout.name=sglang", "trainer.nnodes=2"])
+    assert any("started on this node's GPUs only" in line for line in checks.notices(two_nodes))
 
 
 def test_ppo_quickstart_small(home):

@@ -68,6 +68,12 @@ def notices(config: Config) -> list[str]:
             f"rollout: actor_rollout_ref.rollout.name={rollout.name} is not wired in yet; the built-in "
             "engine (continuous batching, on each policy rank) generates instead"
         )
+    if rollout.engine == "sglang" and config.trainer.nnodes > 1:
+        lines.append(
+            "rollout: SGLang servers are started on this node's GPUs only (the other nodes' ranks do not "
+            "generate) unless ROLLOUT_SERVER_URLS names servers on every node; the built-in engine runs on "
+            "every policy rank of every node"
+        )
     if rollout.tensor_model_parallel_size > 1 and rollout.engine != "sglang":
         lines.append(
             f"rollout: tensor_model_parallel_size={rollout.tensor_model_parallel_size} applies to SGLang "
