@@ -357,8 +357,13 @@ def trainer_argv(opts: argparse.Namespace, services: list[ServiceSpec]) -> tuple
             f"{multi_turn}.tool_config_path={TOOL_CONFIGS / config}",
             f"{multi_turn}.format=hermes",  # Search-R1's tags call the search tool alone
         ]
-    elif "retrieval-server" in names:
-        keys.append(f"{multi_turn}.enable=true")
+    elif "retrieval-server" in names:  # as train.sh's USE_RETRIEVAL: Search-R1's tags, up to 4 turns
+        keys += [
+            f"{multi_turn}.enable=true",
+            f"{multi_turn}.tool_config_path={TOOL_CONFIGS / 'search_tool_config.yaml'}",
+            f"{multi_turn}.format=search_r1",
+            f"{multi_turn}.max_assistant_turns=4",
+        ]
     return (sys.executable, "-m", "trainer.main_ppo", *keys, *opts.overrides)
 
 

@@ -343,6 +343,20 @@ def test_use_code_executor_is_read_as_a_flag_and_off_when_unset(monkeypatch, fla
         local.chosen_services(local.parse_args(["up"]))
 
 
+def test_the_retrieval_server_alone_trains_with_search_as_the_skypilot_group_does(tmp_path, monkeypatch):
+    from jobgroup import local
+
+    monkeypatch.delenv("USE_CODE_EXECUTOR", raising=False)
+    monkeypatch.delenv("USE_RETRIEVAL", raising=False)
+    ports = ["--data-port", "0", "--reward-port", "0", "--retrieval-port", "0"]
+    opts = local.parse_args(["run", *ports, "--retrieval-index", str(tmp_path)])
+    keys = dict(arg.split("=", 1) for arg in local.trainer_argv(opts, local.plan_services(opts))[3:])
+    multi_turn = "actor_rollout_ref.rollout.multi_turn"
+    # train.sh's USE_RETRIEVAL: the search tool's config, Search-R1's tags, up to 4 model turns
+    assert keys[f"{multi_turn}.tool_config_path"].endswith("jobgroup/tools/search_tool_config.yaml")
+    assert keys[f"{multi_turn}.format"] == "search_r1" and keys[f"{multi_turn}.max_assistant_turns"] == "4"
+
+
 @pytest.mark.parametrize("with_search", [False, True])
 def test_the_code_executor_url_reaches_the_reward_server_and_the_trainer(tmp_path, monkeypatch, with_search):
     from jobgroup import local
