@@ -24,7 +24,7 @@ from trainer.agent.build import agent_tools, build_agent, chat_template_tools
 from trainer.agent.loop import AgentLoop
 from trainer.algos import KLKind
 from trainer.config import Config
-from trainer.config.derive import needs_old_logprobs, pad_token_id
+from trainer.config.derive import needs_old_logprobs, pad_token_id, tokenizer_source
 from trainer.data import PromptSource, open_prompt_source, total_steps
 from trainer.model import default_precision, load_tokenizer
 from trainer.parallel.groups import (
@@ -140,10 +140,8 @@ class Run:
 async def build_run(cfg: Config) -> Run:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     device = resolve_device(trainer.device)
-    tokenizer = load_tokenizer(
-        cfg.data.tokenizer or arr.model.path,
-        trust_remote_code=cfg.data.trust_remote_code or arr.model.trust_remote_code,
-    )
+    source = tokenizer_source(cfg)  # the policy ranks load the same one (trainer/parallel/settings.py)
+    tokenizer = load_tokenizer(source.path, trust_remote_code=source.trust_remote_code)
     multi_turn = arr.rollout.multi_turn
     tools = agent_tools(multi_turn, cfg.services) if multi_turn.enable else None
     data = cfg.data
@@ -171,6 +169,7 @@ async def build_run(cfg: Config) -> Run:
         weights_dir=weights_dir_from_env(),
         token=cfg.services.auth_token,
         trust_remote_code=arr.model.trust_remote_code,
+        tokenizer_path=cfg.data.tokenizer,
         loop=asyncio.get_running_loop(),
     )
     agent = None

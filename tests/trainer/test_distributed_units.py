@@ -335,3 +335,44 @@ def test_packed_forward_under_autocast_runs_flash_on_cuda(model_dir):
         packed, _ = response_hidden_states(backbone, batch, remove_padding=True)
     assert "varlen" not in packing._DISABLED
     torch.testing.assert_close(packed.float(), padded.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_policy_ranks_use_data_tokenizer_for_their_engine_and_checkpoints(model_dir, tmp_path):
+    """data.tokenizer (verl's key): a tokenizer other than the model folder's. The driver loads it
+    (trainer/build.py); the policy rank built from the same config must too, for its engine's eos ids
+    and for the tokenizer its checkpoint saves. It read the model folder's before."""
+    from testing.tiny import END_OF_TEXT, UNKNOWN, char_tokenizer
+    from trainer.checkpoint import HF_METADATA_DIR
+    from trainer.config import load_config
+    from trainer.model import default_precision, load_tokenizer
+    from trainer.parallel.distributed import local_data_parallel
+    from trainer.parallel.ranks import PolicyRank
+    from trainer.parallel.settings import policy_rank_settings
+
+    # the model folder's tokenizer: eos <|im_end|> (id 2), pad <|endoftext|> (id 0); data.tokenizer's:
+    # the same vocabulary with eos <|endoftext|> (0) and pad <|unk|> (3)
+    other = char_tokenizer()
+    other.eos_token, other.pad_token = END_OF_TEXT, UNKNOWN
+    other.save_pretrained(tmp_path / "tokenizer")
+    model_tokenizer = load_tokenizer(str(model_dir))
+    assert (model_tokenizer.eos_token_id, model_tokenizer.pad_token_id) == (2, 0)
+    config = load_config(
+        [
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"data.tokenizer={tmp_path / 'tokenizer'}",
+            "actor_rollout_ref.rollout.name=builtin",
+        ],
+        check=False,
+    )
+    cpu = torch.device("cpu")
+    settings = policy_rank_settings(config, default_precision(cpu), steps=1)
+    rank = PolicyRank(settings, local_data_parallel(cpu), cpu)
+    try:
+        assert (rank.replica.tokenizer.eos_token_id, rank.replica.tokenizer.pad_token_id) == (0, 3)
+        # the engine stops on data.tokenizer's eos, and on the eos the model's generation config names
+        assert rank.replica.engine.eos_token_ids == frozenset({0, 2})
+        rank.save(str(tmp_path / "actor"), contents=("model",))
+    finally:
+        rank.close()
+    saved = load_tokenizer(str(tmp_path / "actor" / HF_METADATA_DIR))
+    assert (saved.eos_token, saved.pad_token) == (END_OF_TEXT, UNKNOWN)

@@ -357,6 +357,10 @@ def test_sglang_command_line():
     assert all("--enable-deterministic-inference" in server.argv for server in started)
     assert "--trust-remote-code" not in seeded
     assert sglang_command("/models/custom", port=30002, trust_remote_code=True)[-1] == "--trust-remote-code"
+    # data.tokenizer: started servers detokenize and stop with the driver's tokenizer, not the model's
+    assert "--tokenizer-path" not in seeded
+    with_tokenizer = sglang_command("/models/qwen", port=30003, tokenizer_path="/tok")
+    assert with_tokenizer[-2:] == ["--tokenizer-path", "/tok"]
     assert gpu_groups(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
     with pytest.raises(ValueError, match="tensor-parallel"):
         gpu_groups(["0", "1", "2"], 2)

@@ -112,6 +112,25 @@ def logprob_temperature(rollout: Any) -> float:
     return rollout.temperature or 1.0
 
 
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where the run's one tokenizer is loaded from (trainer.model.load_tokenizer's arguments)."""
+
+    path: str
+    trust_remote_code: bool = False
+
+
+def tokenizer_source(config: Config) -> TokenizerSource:
+    """data.tokenizer (a tokenizer other than the model's), else the policy model's. The driver's
+    prompts, the policy ranks' engines (eos ids, stop strings) and the tokenizer a checkpoint saves
+    must all be this one: a rank reading the model folder's instead stopped on other eos ids."""
+    data, model = config.data, config.actor_rollout_ref.model
+    return TokenizerSource(
+        path=data.tokenizer or model.path,
+        trust_remote_code=bool(data.trust_remote_code or model.trust_remote_code),
+    )
+
+
 def pad_token_id(tokenizer: Any) -> int:
     """What batches pad with: the tokenizer's pad token, else its eos token (as verl)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

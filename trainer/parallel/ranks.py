@@ -26,6 +26,7 @@ import torch
 
 from trainer.checkpoint import ALL_CONTENTS, HF_METADATA_DIR, load_role_state, save_role_state
 from trainer.compiling import compile_model
+from trainer.config.derive import TokenizerSource
 from trainer.parallel.distributed import DataParallel
 from trainer.parallel.fsdp import (
     FSDPSettings,
@@ -60,6 +61,13 @@ class ModelSettings:
     # autocast of the role's passes (bf16 on GPUs, as in one process), whatever dtype FSDP gathers in
     autocast_dtype: torch.dtype | None = None
     fsdp: FSDPSettings = dataclasses.field(default_factory=FSDPSettings)
+    # the driver's tokenizer (data.tokenizer: trainer/config/derive.py `tokenizer_source`), which the
+    # policy's engine stops with and checkpoints save; None: the model folder's own
+    tokenizer: TokenizerSource | None = None
+
+    @property
+    def tokenizer_source(self) -> TokenizerSource:
+        return self.tokenizer or TokenizerSource(self.path, self.trust_remote_code)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -119,13 +127,13 @@ class _Checkpointed:
     trained: Policy | Critic
     offloader: Offloader
     dp: DataParallel
-    hf_source: str
-    trust_remote_code: bool
+    tokenizer_source: TokenizerSource  # saved beside the HF config, for trainer.export
 
     def save(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
         tokenizer = None
         if self.dp.rank == 0:
-            tokenizer = load_tokenizer(self.hf_source, trust_remote_code=self.trust_remote_code)
+            source = self.tokenizer_source
+            tokenizer = load_tokenizer(source.path, trust_remote_code=source.trust_remote_code)
         with self.offloader.on_device():
             save_role_state(
                 Path(directory),
@@ -173,9 +181,8 @@ class PolicyRank(_Checkpointed):
         # the engine copies the whole weights before they are sharded: no second read from disk
         self.replica = None
         if settings.engine is not None:
-            tokenizer = load_tokenizer(
-                settings.model.path, trust_remote_code=settings.model.trust_remote_code
-            )
+            source = settings.model.tokenizer_source
+            tokenizer = load_tokenizer(source.path, trust_remote_code=source.trust_remote_code)
             self.replica = colocated_replica(
                 settings.engine,
                 model,
@@ -186,8 +193,7 @@ class PolicyRank(_Checkpointed):
                 name=f"policy rank {dp.rank}",
             )
         model = shard_model(model, dp, settings.model.fsdp, device)
-        self.dp, self.device, self.hf_source = dp, device, settings.model.path
-        self.trust_remote_code = settings.model.trust_remote_code
+        self.dp, self.device, self.tokenizer_source = dp, device, settings.model.tokenizer_source
         self.compute_dtype = settings.model.compute_dtype
         self.trained = Policy(
             model,
@@ -321,8 +327,7 @@ class CriticRank(_Checkpointed):
             device,
             gradient_checkpointing=settings.model.gradient_checkpointing,
         )
-        self.dp, self.device, self.hf_source = dp, device, settings.model.path
-        self.trust_remote_code = settings.model.trust_remote_code
+        self.dp, self.device, self.tokenizer_source = dp, device, settings.model.tokenizer_source
         self.trained = Critic(
             model,
             settings.optim,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from trainer.config import Config
 from trainer.config.derive import (
+    TokenizerSource,
     log_prob_micro_batch,
     logprob_temperature,
     mini_batch_sequences,
     token_budget,
+    tokenizer_source,
     value_micro_batch,
 )
 from trainer.model import Precision
@@ -34,7 +36,13 @@ def policy_rank_settings(cfg: Config, precision: Precision, steps: int) -> Polic
     arr = cfg.actor_rollout_ref
     actor = arr.actor
     return PolicyRankSettings(
-        model=model_settings(arr.model, actor.fsdp_config, precision, compile=actor.use_torch_compile),
+        model=model_settings(
+            arr.model,
+            actor.fsdp_config,
+            precision,
+            compile=actor.use_torch_compile,
+            tokenizer=tokenizer_source(cfg),
+        ),
         optim=optimizer_settings(actor.optim, actor.grad_clip, steps),
         update=UpdateSettings(
             mini_batch_size=mini_batch_sequences(actor.ppo_mini_batch_size, arr.rollout.n, cfg.world_size),
@@ -76,7 +84,10 @@ def reference_rank_settings(cfg: Config, precision: Precision) -> ReferenceRankS
 def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> CriticRankSettings:
     critic, n = cfg.critic, cfg.actor_rollout_ref.rollout.n
     return CriticRankSettings(
-        model=model_settings(critic.model, critic.model.fsdp_config, precision),
+        # the critic reads the driver's token ids: its checkpoint saves the driver's tokenizer
+        model=model_settings(
+            critic.model, critic.model.fsdp_config, precision, tokenizer=tokenizer_source(cfg)
+        ),
         optim=optimizer_settings(critic.optim, critic.grad_clip, steps),
         update=UpdateSettings(
             mini_batch_size=mini_batch_sequences(critic.ppo_mini_batch_size, n, cfg.world_size),
@@ -94,9 +105,16 @@ def critic_rank_settings(cfg: Config, precision: Precision, steps: int) -> Criti
 
 
 def model_settings(
-    model, fsdp, precision: Precision, *, trainable: bool = True, compile: bool = False
+    model,
+    fsdp,
+    precision: Precision,
+    *,
+    trainable: bool = True,
+    compile: bool = False,
+    tokenizer: TokenizerSource | None = None,
 ) -> ModelSettings:
-    """actor_rollout_ref.model / critic.model and their fsdp_config (compile: on CUDA only).
+    """actor_rollout_ref.model / critic.model and their fsdp_config (compile: on CUDA only);
+    `tokenizer`: the run's (tokenizer_source), for a role that generates or saves one.
 
     Numerics, the same at every scale (one rank in this process or many in Ray): fp32 master weights
     sharded by FSDP2, gathered in bf16 (fp32 with mixed_precision.param_dtype=fp32) and computed under
@@ -112,6 +130,7 @@ def model_settings(
         remove_padding=bool(model.use_remove_padding),
         compile=compile,
         autocast_dtype=precision.autocast_dtype,
+        tokenizer=tokenizer,
         fsdp=FSDPSettings(
             param_dtype=None if fp32_gathers else precision.autocast_dtype,
             reshard_after_forward=bool(fsdp.reshard_after_forward),

@@ -44,11 +44,13 @@ def sglang_command(
     enable_memory_saver: bool = True,
     deterministic_inference: bool = False,
     trust_remote_code: bool = False,
+    tokenizer_path: str | None = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
     """deterministic_inference: seeded sampling (batch-invariant kernels, at some cost in throughput).
-    trust_remote_code: the model's own code may run (model.trust_remote_code)."""
+    trust_remote_code: the model's own code may run (model.trust_remote_code). tokenizer_path: a tokenizer
+    other than the model's (data.tokenizer: the one the driver tokenizes prompts with)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path]
     argv += ["--host", host, "--port", str(port), "--tp-size", str(tp_size), "--dtype", dtype]
     if mem_fraction_static is not None:
@@ -63,6 +65,8 @@ def sglang_command(
         argv.append("--enable-deterministic-inference")
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    if tokenizer_path:
+        argv += ["--tokenizer-path", tokenizer_path]
     return argv + list(extra_args)
 
 

@@ -310,6 +310,7 @@ def build_rollout(
     weights_dir: str | None = None,
     token: str | None = None,
     trust_remote_code: bool = False,
+    tokenizer_path: str | None = None,
     startup_timeout_s: float = 900.0,
     loop: asyncio.AbstractEventLoop | None = None,
 ) -> RolloutManager:
@@ -319,8 +320,9 @@ def build_rollout(
     --enable-deterministic-inference; servers given by URL are checked by the client instead.
     `weights_dir`: the folder weight checkpoints for the servers are written to (created here).
     `token`: the bearer token sent to the servers (services.auth_token; servers started here listen
-    on loopback only and ask for none). `trust_remote_code`: model.trust_remote_code, for started
-    servers. `loop`: the running loop the manager lives on (RolloutManager)."""
+    on loopback only and ask for none). `trust_remote_code` (model.trust_remote_code) and
+    `tokenizer_path` (data.tokenizer): for started servers. `loop`: the running loop the manager lives
+    on (RolloutManager)."""
     if name in ("hf", "builtin"):
         return RolloutManager(ReplicaPool(list(replicas)), pad_id=pad_id, loop=loop)
     if name == "sglang":
@@ -339,6 +341,7 @@ def build_rollout(
                 mem_fraction_static=gpu_memory_utilization,
                 deterministic_inference=seeded,
                 trust_remote_code=trust_remote_code,
+                tokenizer_path=tokenizer_path,
             ).start(startup_timeout_s)
             server_urls = servers.urls
         if weights_dir is not None:
