@@ -11,6 +11,7 @@ responses; the turn and length limits; calls that cannot run; queries of waiting
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -382,6 +383,39 @@ def test_server_killed_mid_rollout_the_rollout_goes_on(index, tokenizers):
     assert "The search failed (the retrieval service did not answer)" in tokenizer.decode(
         batch.rollouts[0].response_ids
     )
+
+
+def test_a_search_sent_while_its_server_is_down_waits_for_it_within_services_retry_deadline_s(index):
+    """services.retry_deadline_s holds for the tools' clients as for the data and reward clients: a
+    search sent to a retrieval-server that is not listening yet (connections refused; retries=0, so
+    no quick retries) is tried again every few seconds and answered once the server is up. Without the
+    deadline it failed at the first refusal."""
+    from trainer.agent.build import tool_runner
+    from trainer.agent.tools import SearchToolSpec
+    from trainer.config.run import ServicesConfig
+
+    port = free_port()
+    services = ServicesConfig(retries=0, retry_deadline_s=120.0)
+
+    async def go():
+        tool = tool_runner(SearchToolSpec(urls=(f"http://127.0.0.1:{port}",)), "search_r1", services)
+        with contextlib.ExitStack() as server:
+            try:
+                call = asyncio.create_task(tool.call({"query_list": ["Callow composer"]}))
+                await asyncio.sleep(1.0)
+                assert not call.done()  # refused, and waiting for the next try
+                started = service_process(
+                    "services.retrieval_server", "serve", "--index", str(index), "--log-level", "warning",
+                    port=port,
+                )  # fmt: skip
+                await asyncio.to_thread(server.enter_context, started)
+                return await asyncio.wait_for(call, 60), tool.batcher.take_stats()
+            finally:
+                await tool.aclose()
+
+    result, stats = asyncio.run(go())
+    assert result.status == "ok" and "Callow" in result.text
+    assert (stats.requests, stats.failed_calls) == (1, 0)
 
 
 # ------------------------------------------------------------------------------------------ several tools

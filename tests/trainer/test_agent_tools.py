@@ -412,3 +412,37 @@ def test_a_code_executor_that_never_answers_is_a_tool_failure():
     result = asyncio.run(go())
     assert result.status == "failed" and result.text == "Execution failed: the code-executor did not answer"
     assert "gave up after 2 attempts" in result.error
+
+
+@pytest.mark.parametrize("tool_kind", ["search", "code"])
+def test_a_tool_whose_service_stays_down_fails_at_services_retry_deadline_s(tool_kind):
+    """The run's tool clients (tool_runner) keep trying a service that refuses connections until
+    services.retry_deadline_s after the first failure, as the data and reward clients do, then the call
+    is a failed result. retries=0: the deadline alone keeps them trying (before, they gave up at once)."""
+    import time
+
+    from trainer.agent.build import tool_runner
+    from trainer.config.run import ServicesConfig
+
+    deadline_s = 3.0
+    services = ServicesConfig(retries=0, retry_deadline_s=deadline_s)
+    urls = (f"http://127.0.0.1:{free_port()}",)  # nobody listens
+    spec = SearchToolSpec(urls=urls) if tool_kind == "search" else CodeToolSpec(urls=urls)
+    arguments = {"query_list": ["anything"]} if tool_kind == "search" else {"code": "print(1)"}
+
+    async def go():
+        tool = tool_runner(spec, "hermes", services)
+        try:
+            started = time.monotonic()
+            result = await tool.call(arguments)
+            waited = time.monotonic() - started
+            errors = tool.batcher.take_stats().errors if tool_kind == "search" else [result.error]
+            return result, waited, errors
+        finally:
+            await tool.aclose()
+
+    result, waited, (error,) = asyncio.run(go())
+    assert result.status == "failed"
+    # tries every 2.5-5 s after the first refusal, the last one at the deadline (then none is left)
+    assert deadline_s - 0.1 <= waited < deadline_s + 2.0
+    assert "gave up after" in error and f"over {deadline_s:.0f} s" in error

@@ -85,10 +85,18 @@ async def build_agent(
 
 
 def tool_runner(spec: SearchToolSpec | CodeToolSpec, style, services) -> SearchTool | CodeTool:
-    """The tool of one spec, with its client (the services' retries and auth token)."""
+    """The tool of one spec, with its client (the services' retries, deadline and auth token).
+
+    services.retry_deadline_s holds as for the data and reward clients: a tool's service that its job
+    group restarts is waited for (the calls in flight wait), and only after the deadline does a call
+    fail (then the loop's tool-failure policy applies)."""
     if isinstance(spec, SearchToolSpec):
         client = RetrievalClient(
-            list(spec.urls), timeout_s=spec.timeout_s, retries=services.retries, token=services.auth_token
+            list(spec.urls),
+            timeout_s=spec.timeout_s,
+            retries=services.retries,
+            deadline_s=services.retry_deadline_s,
+            token=services.auth_token,
         )
         return SearchTool(
             SearchBatcher(client, topk=spec.topk, max_requests=len(spec.urls)), spec.schema, style=style
@@ -97,6 +105,7 @@ def tool_runner(spec: SearchToolSpec | CodeToolSpec, style, services) -> SearchT
         list(spec.urls),
         timeout_s=2 * spec.timeout_s + RUN_REQUEST_SLACK_S,
         retries=services.retries,
+        deadline_s=services.retry_deadline_s,
         token=services.auth_token,
     )
     return CodeTool(client, spec)

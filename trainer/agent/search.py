@@ -13,10 +13,10 @@ the batch grows with the load, with no timer and no wait when the trainer is qui
 retrieval-server batches concurrent requests again on its side).
 
 A slow or failing server costs bounded time: the client retries connection errors, timeouts, 429 and
-5xx with full-jitter exponential backoff (services.common.client), and after the last attempt every
-call of that request gets a SearchOutcome with the error, which the trajectory reads as its tool
-response (a failed result: the loop's tool-failure policy applies). Nothing here raises into the
-rollout.
+5xx with full-jitter exponential backoff (services.common.client), then every few seconds until
+services.retry_deadline_s after the first failure; after the last attempt every call of that request
+gets a SearchOutcome with the error, which the trajectory reads as its tool response (a failed result:
+the loop's tool-failure policy applies). Nothing here raises into the rollout.
 """
 
 from __future__ import annotations
