@@ -24,6 +24,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from services.data_server.sources import parse_spec
 from tests.e2e.test_jobgroup_yaml import (
     check_module_call,
     module_calls,
@@ -191,17 +192,130 @@ def test_healthcheck_command_tells_a_live_service_from_a_dead_port():
     assert run_healthcheck(test, free_port()) != 0
 
 
+def interpolated(value, shell: dict[str, str]) -> str:
+    """What compose makes of ${VAR:-default} / ${VAR} with `shell` as the caller's environment."""
+    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: shell.get(m[1]) or m[2] or "", str(value))
+
+
+def run_command(name: str, shell: dict[str, str], path: Path | None = None) -> list[str]:
+    """Run a service's command here as its container would (compose's $$ is a $), with its environment
+    as compose fills it in from `shell`; `path` goes first on PATH (a stand-in `python`). Its stdout lines."""
+    service = SERVICES[name]
+    env = {k: interpolated(v, shell) for k, v in service.get("environment", {}).items()}
+    search = f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"]
+    argv = [word.replace("$$", "$") for word in service["command"]]
+    done = subprocess.run(
+        argv, cwd=ROOT, env={"PATH": search, **env, "DRY_RUN": "1"}, capture_output=True, text=True,
+        timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def trainer_keys(shell: dict[str, str]) -> dict[str, str]:
+    """The trainer's main_ppo keys (train.sh's DRY_RUN) as compose runs it with `shell`'s variables."""
+    argv = run_command(TRAINER, shell)
+    assert argv[:3] == ["python", "-m", "trainer.main_ppo"], argv
+    return dict(a.split("=", 1) for a in argv[3:])
+
+
+def data_server_datasets(shell: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """{name: source} of the data-server's --datasets as compose runs it with `shell`'s variables."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    argv = run_command("data-server", shell, path=tmp_path)
+    assert argv[:4] == ["-m", "services.data_server", "--port", "8000"], argv
+    specs = argv[argv.index("--datasets") + 1 :]
+    return dict(parse_spec(spec) for spec in specs)
+
+
+YAML_TASKS = {
+    doc["name"]: doc
+    for doc in yaml.safe_load_all((ROOT / "jobgroup" / "verl-grpo.yaml").read_text())
+    if doc and "envs" in doc
+}
+
+
+@pytest.mark.parametrize("flag", ["false", "true"])
+def test_use_retrieval_trains_on_the_qa_set_the_data_server_serves_as_the_yaml_does(flag, tmp_path):
+    """USE_RETRIEVAL=true is verl-grpo.yaml's search run: the data-server serves Search-R1's QA set under
+    the YAML's name and source, and the trainer trains on it with the search tool and the YAML's search
+    settings. Unset or false: GSM8K and the synthetic sums, training on GSM8K, as before."""
+    shell = {"USE_RETRIEVAL": flag} if flag == "true" else {}
+    served = data_server_datasets(shell, tmp_path)
+    keys = trainer_keys(shell)
+    assert keys["data.source"] == "server" and keys["data.dataset"] in served, (keys["data.dataset"], served)
+    if flag == "false":
+        assert served == {"gsm8k": "hub:openai/gsm8k", "synthetic-arith": "synthetic-arith:easy"}
+        assert keys["data.dataset"] == "gsm8k" and not any("multi_turn" in key for key in keys)
+        assert keys["data.max_response_length"] == "1024" and keys["trainer.test_freq"] == "10"
+        return
+    yaml_trainer = YAML_TASKS["verl-trainer"]["envs"]
+    yaml_served = dict(parse_spec(s) for s in YAML_TASKS["data-server"]["envs"]["DATASETS"].split())
+    dataset = yaml_trainer["DATASET"]
+    assert keys["data.dataset"] == dataset and served[dataset] == yaml_served[dataset]
+    assert served["gsm8k"] == "hub:openai/gsm8k"  # the default list stays served too
+    assert (
+        keys["actor_rollout_ref.rollout.multi_turn.tool_config_path"]
+        == "jobgroup/tools/search_tool_config.yaml"
+    )
+    assert keys["actor_rollout_ref.rollout.multi_turn.format"] == "search_r1"
+    assert keys["services.retrieval_url"] == f"'http://retrieval-server:{container_port('retrieval-server')}'"
+    assert keys["data.max_response_length"] == str(yaml_trainer["MAX_RESPONSE_LENGTH"])
+    assert keys["trainer.test_freq"] == str(yaml_trainer["TEST_FREQ"])
+    assert keys["trainer.val_before_train"] == "False" == str(yaml_trainer["VAL_BEFORE_TRAIN"]).capitalize()
+    # what the caller sets still wins: another dataset the data-server is told to serve
+    own = {**shell, "DATASET": "mine", "DATASETS": "mine=/data/mine", "TEST_FREQ": "5"}
+    assert data_server_datasets(own, tmp_path) == {"mine": "/data/mine"}
+    mine = trainer_keys(own)
+    assert mine["data.dataset"] == "mine" and mine["trainer.test_freq"] == "5"
+    trainer_dry_run([f"{k}={v}" for k, v in keys.items()])
+
+
 def test_trainer_command_with_compose_environment_gives_a_config_the_trainer_accepts():
     trainer = SERVICES[TRAINER]
-    assert command_text(trainer) == "bash jobgroup/scripts/train.sh"
-    env = {k: with_defaults(v) for k, v in trainer["environment"].items()}
-    argv = train_sh_argv(env)
-    keys = dict(a.split("=", 1) for a in argv[3:])
+    assert "jobgroup/scripts/train.sh" in command_text(trainer)
+    keys = trainer_keys({})
+    argv = ["python", "-m", "trainer.main_ppo", *(f"{k}={v}" for k, v in keys.items())]
     assert keys["services.data_url"] == "'http://data-server:8000'"  # quoted: Hydra reads a,b as a sweep
     assert "services.retrieval_url" not in keys  # USE_RETRIEVAL defaults to false (the math dataset)
     assert keys["trainer.default_local_dir"].startswith("/checkpoints/")
     assert keys["trainer.logger"] == "['console']"  # WANDB_API_KEY empty by default
     trainer_dry_run(argv[3:])
+
+
+START_RAY = (ROOT / "jobgroup" / "scripts" / "start_ray.sh").read_text()
+RAY_DASHBOARD = int(re.search(r"dashboard_port=\$\{RAY_DASHBOARD_PORT:-(\d+)\}", START_RAY).group(1))
+
+
+@pytest.mark.parametrize("file", ["compose.yaml", "compose.multinode.yaml"])
+def test_trainers_publish_only_the_ray_dashboard_their_command_starts(file):
+    """A trainer container publishes a port only where something in it binds that port: the Ray dashboard
+    of jobgroup/scripts/start_ray.sh (RAY_DASHBOARD_PORT, else its default), where its command starts Ray."""
+    services = yaml.load((DOCKER / file).read_text(), Loader=ComposeLoader)["services"]
+    trainers = {name: s for name, s in services.items() if name.startswith(TRAINER)}
+    assert trainers
+    for name, service in trainers.items():
+        published = {int(str(mapping).rsplit(":", 1)[1]) for mapping in service.get("ports", [])}
+        if "start_ray.sh" not in command_text(service):
+            assert not published, (
+                f"{file}: {name} publishes {published}, but starts no Ray: nothing binds them"
+            )
+            continue
+        env = service.get("environment", {})
+        dashboard = (
+            int(with_defaults(env["RAY_DASHBOARD_PORT"])) if "RAY_DASHBOARD_PORT" in env else RAY_DASHBOARD
+        )
+        assert published <= {dashboard}, (
+            f"{file}: {name} publishes {published}; Ray's dashboard is {dashboard}"
+        )
+        assert dashboard == RAY_DASHBOARD  # one dashboard port everywhere: the SkyPilot YAMLs' too
+
+
+def test_trainer_image_exposes_the_ray_dashboard_port():
+    exposed = re.findall(r"^EXPOSE (.+)$", (DOCKER / "Dockerfile.trainer").read_text(), re.MULTILINE)
+    assert exposed == [str(RAY_DASHBOARD)]
 
 
 # ------------------------------------------------------------ locks and the CPU overlay, without an engine
