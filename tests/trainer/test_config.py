@@ -945,3 +945,13 @@ def test_bf16_on_a_cpu_without_bf16_hardware_runs_fp32_and_says_so(monkeypatch, 
         assert said and "the run computes in fp32" in said[0] and precision.autocast_dtype is None
     assert trainer.model.default_precision("cpu", "auto").autocast_dtype is None  # auto: fp32 on a CPU
     assert trainer.model.default_precision("cpu", "fp32").autocast_dtype is None
+
+
+def test_seq_final_reward_with_kl_in_reward_says_it_reads_the_scores(home):
+    # groups are filtered before the in-reward KL penalty is computed (it needs the kept batch's
+    # reference logprobs): the start says so instead of reading seq_final_reward as seq_reward silently
+    dapo = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward"]
+    dapo.append("actor_rollout_ref.rollout.n=4")
+    with_kl = load_config(dapo + ["algorithm.use_kl_in_reward=true"])
+    assert any("metric=seq_final_reward reads the scores" in line for line in checks.notices(with_kl))
+    assert not any("seq_final_reward" in line for line in checks.notices(load_config(dapo)))

@@ -79,6 +79,17 @@ def notices(config: Config) -> list[str]:
             f"rollout: tensor_model_parallel_size={rollout.tensor_model_parallel_size} applies to SGLang "
             f"servers; the {rollout.engine} engine holds the whole model on each policy rank's GPU"
         )
+    filter_groups = config.algorithm.filter_groups
+    if (
+        filter_groups.enable
+        and filter_groups.metric == "seq_final_reward"
+        and config.algorithm.use_kl_in_reward
+    ):
+        lines.append(
+            "algorithm.filter_groups: groups are kept or dropped before the KL-in-reward penalty exists (it "
+            "needs the kept batch's reference logprobs), so metric=seq_final_reward reads the scores, as "
+            "seq_reward does"
+        )
     if rollout.n > 1 and not rollout.do_sample:
         lines.append("rollout: n > 1 with do_sample=false gives n identical responses per prompt")
     if config.no_effect_keys:
