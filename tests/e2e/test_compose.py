@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,8 @@ def test_trainer_urls_match_services_ports_and_wait_for_health():
         assert host in SERVICES and int(port) == container_port(host), url
         optional = "profiles" in SERVICES[host]  # waited for when its profile is on, else left out
         expected = {"condition": "service_healthy", **({"required": False} if optional else {})}
+        if host == "retrieval-server":  # called only with USE_RETRIEVAL: the command waits for it then
+            expected = {"condition": "service_started"}
         assert trainer["depends_on"][host] == expected
         assert "healthcheck" in SERVICES[host]
     assert set(trainer["depends_on"]) == set(SERVICES) - {TRAINER}
@@ -197,26 +200,80 @@ def interpolated(value, shell: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: shell.get(m[1]) or m[2] or "", str(value))
 
 
-def run_command(name: str, shell: dict[str, str], path: Path | None = None) -> list[str]:
+def command_run(name: str, shell: dict[str, str], path: Path | None = None) -> subprocess.CompletedProcess:
     """Run a service's command here as its container would (compose's $$ is a $), with its environment
-    as compose fills it in from `shell`; `path` goes first on PATH (a stand-in `python`). Its stdout lines."""
+    as compose fills it in from `shell`; `path` goes first on PATH (a stand-in `python`)."""
     service = SERVICES[name]
     env = {k: interpolated(v, shell) for k, v in service.get("environment", {}).items()}
     search = f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"]
     argv = [word.replace("$$", "$") for word in service["command"]]
-    done = subprocess.run(
+    return subprocess.run(
         argv, cwd=ROOT, env={"PATH": search, **env, "DRY_RUN": "1"}, capture_output=True, text=True,
         timeout=30, check=False,
     )  # fmt: skip
+
+
+def run_command(name: str, shell: dict[str, str], path: Path | None = None) -> list[str]:
+    """command_run, which must succeed: its stdout lines."""
+    done = command_run(name, shell, path)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
 
-def trainer_keys(shell: dict[str, str]) -> dict[str, str]:
+def trainer_stand_ins(tmp_path: Path, *, gpus: int | None = None, down: tuple[str, ...] = ()) -> Path:
+    """A fresh folder to put first on the trainer command's PATH: `curl` (what wait_for_services.sh probes
+    /health with) answers 200, or connection refused for the services named in `down`, and notes each URL
+    in curl.log; `python` answers torch.cuda.device_count() with `gpus` (None: it fails, as without torch
+    or a driver) and refuses anything else (train.sh's DRY_RUN only prints its python command)."""
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    refused = "".join(f"  http://{name}:*) exit 7 ;;\n" for name in down)
+    curl = f"""#!/bin/sh
+for url; do :; done
+echo "$url" >>"{folder}/curl.log"
+case $url in
+{refused}esac
+printf 200
+"""
+    answer = "exit 1" if gpus is None else f"echo {gpus}"
+    python = f"""#!/bin/sh
+case "$*" in *torch.cuda.device_count*) {answer} ;; *) echo "unexpected: python $*" >&2; exit 3 ;; esac
+"""
+    for name, text in (("curl", curl), ("python", python)):
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    return folder
+
+
+@dataclass
+class TrainerRun:
+    """The trainer's command as compose runs it, with train.sh's DRY_RUN."""
+
+    returncode: int
+    log: list[str]  # what it printed before train.sh's command (the health wait, the GPU count)
+    keys: dict[str, str]  # train.sh's main_ppo keys; empty when it never got there
+    probed: dict[str, str]  # {service: URL} of every /health the wait asked for
+    stderr: str
+
+
+def run_trainer(shell: dict[str, str], tmp_path: Path, **stand_ins) -> TrainerRun:
+    folder = trainer_stand_ins(tmp_path, **stand_ins)
+    done = command_run(TRAINER, shell, path=folder)
+    lines = done.stdout.splitlines()
+    start = next(
+        (i for i in range(len(lines)) if lines[i : i + 3] == ["python", "-m", "trainer.main_ppo"]), None
+    )
+    log = lines if start is None else lines[:start]
+    keys = {} if start is None else dict(a.split("=", 1) for a in lines[start + 3 :])
+    urls = (folder / "curl.log").read_text().split() if (folder / "curl.log").exists() else []
+    probed = {URL.match(url.removesuffix("/health"))[1]: url.removesuffix("/health") for url in urls}
+    return TrainerRun(done.returncode, log, keys, probed, done.stderr)
+
+
+def trainer_keys(shell: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """The trainer's main_ppo keys (train.sh's DRY_RUN) as compose runs it with `shell`'s variables."""
-    argv = run_command(TRAINER, shell)
-    assert argv[:3] == ["python", "-m", "trainer.main_ppo"], argv
-    return dict(a.split("=", 1) for a in argv[3:])
+    run = run_trainer(shell, tmp_path)
+    assert run.returncode == 0 and run.keys, (run.log, run.stderr)
+    return run.keys
 
 
 def data_server_datasets(shell: dict[str, str], tmp_path: Path) -> dict[str, str]:
@@ -244,7 +301,7 @@ def test_use_retrieval_trains_on_the_qa_set_the_data_server_serves_as_the_yaml_d
     settings. Unset or false: GSM8K and the synthetic sums, training on GSM8K, as before."""
     shell = {"USE_RETRIEVAL": flag} if flag == "true" else {}
     served = data_server_datasets(shell, tmp_path)
-    keys = trainer_keys(shell)
+    keys = trainer_keys(shell, tmp_path)
     assert keys["data.source"] == "server" and keys["data.dataset"] in served, (keys["data.dataset"], served)
     if flag == "false":
         assert served == {"gsm8k": "hub:openai/gsm8k", "synthetic-arith": "synthetic-arith:easy"}
@@ -268,21 +325,100 @@ def test_use_retrieval_trains_on_the_qa_set_the_data_server_serves_as_the_yaml_d
     # what the caller sets still wins: another dataset the data-server is told to serve
     own = {**shell, "DATASET": "mine", "DATASETS": "mine=/data/mine", "TEST_FREQ": "5"}
     assert data_server_datasets(own, tmp_path) == {"mine": "/data/mine"}
-    mine = trainer_keys(own)
+    mine = trainer_keys(own, tmp_path)
     assert mine["data.dataset"] == "mine" and mine["trainer.test_freq"] == "5"
     trainer_dry_run([f"{k}={v}" for k, v in keys.items()])
 
 
-def test_trainer_command_with_compose_environment_gives_a_config_the_trainer_accepts():
+def test_trainer_command_with_compose_environment_gives_a_config_the_trainer_accepts(tmp_path):
     trainer = SERVICES[TRAINER]
     assert "jobgroup/scripts/train.sh" in command_text(trainer)
-    keys = trainer_keys({})
+    keys = trainer_keys({}, tmp_path)
     argv = ["python", "-m", "trainer.main_ppo", *(f"{k}={v}" for k, v in keys.items())]
     assert keys["services.data_url"] == "'http://data-server:8000'"  # quoted: Hydra reads a,b as a sweep
     assert "services.retrieval_url" not in keys  # USE_RETRIEVAL defaults to false (the math dataset)
     assert keys["trainer.default_local_dir"].startswith("/checkpoints/")
     assert keys["trainer.logger"] == "['console']"  # WANDB_API_KEY empty by default
     trainer_dry_run(argv[3:])
+
+
+ALWAYS_WAITED = {"data-server", "reward-server"}
+
+
+@pytest.mark.parametrize(
+    ("shell", "waited"),
+    [
+        ({}, ALWAYS_WAITED),
+        ({"USE_RETRIEVAL": "false"}, ALWAYS_WAITED),
+        ({"USE_RETRIEVAL": "true"}, ALWAYS_WAITED | {"retrieval-server"}),
+        ({"USE_CODE_EXECUTOR": "true"}, ALWAYS_WAITED | {"code-executor"}),
+    ],
+    ids=["unset", "false", "use-retrieval", "use-code-executor"],
+)
+def test_trainer_waits_for_the_retrieval_server_only_with_use_retrieval(shell, waited, tmp_path):
+    """As jobgroup/verl-grpo.yaml's trainer: compose starts the trainer once the data- and reward-servers
+    are healthy and the retrieval-server has started; the command then waits (wait_for_services.sh) for
+    the services the run calls, the retrieval-server only with USE_RETRIEVAL (its first start builds the
+    index: up to 30 minutes, for nothing when the run does not search), then runs train.sh."""
+    depends_on = SERVICES[TRAINER]["depends_on"]
+    assert depends_on["retrieval-server"] == {"condition": "service_started"}  # it starts either way
+    assert {depends_on[name]["condition"] for name in ALWAYS_WAITED} == {"service_healthy"}
+    env = {k: interpolated(v, shell) for k, v in SERVICES[TRAINER]["environment"].items()}
+    run = run_trainer(shell, tmp_path)
+    assert run.returncode == 0 and run.keys, (run.log, run.stderr)
+    assert run.probed == {name: env[f"{name.upper().replace('-', '_')}_URL"] for name in waited}
+    assert f"healthy: {sorted(waited)[0]} " in "\n".join(run.log)  # wait_for_services.sh's own lines
+    # a retrieval-server still building its index (or down): the run without search trains regardless
+    down = run_trainer({**shell, "SERVICE_WAIT_TIMEOUT_S": "0"}, tmp_path, down=("retrieval-server",))
+    if "retrieval-server" in waited:
+        assert down.returncode == 1 and not down.keys
+        assert "service retrieval-server never became healthy" in down.stderr, down.stderr
+    else:
+        assert down.returncode == 0 and down.keys == run.keys, (down.log, down.stderr)
+        assert "services.retrieval_url" not in down.keys
+
+
+@pytest.mark.parametrize(
+    ("gpus", "shell", "expected"),
+    [
+        (None, {}, 1),  # torch cannot tell (no driver): one
+        (0, {}, 1),
+        (1, {}, 1),
+        (4, {}, 4),
+        (8, {}, 8),
+        (8, {"GPUS_PER_NODE": "2"}, 2),  # the caller's GPUS_PER_NODE wins
+        (8, {"GPUS_PER_NODE": "8", "USE_RETRIEVAL": "true"}, 8),
+    ],
+    ids=["no-torch", "0", "1", "4", "8", "8-set-2", "8-set-8-search"],
+)
+def test_trainer_trains_on_every_gpu_its_container_sees(gpus, shell, expected, tmp_path):
+    """deploy reserves every GPU of the host for the trainer: train.sh gets GPUS_PER_NODE = the GPUs torch
+    sees in the container (stand-in: `python` answering torch.cuda.device_count()), unless the caller sets
+    it. More than one trains through the local Ray cluster the trainer starts itself: no RAY_ADDRESS and
+    no start_ray.sh here (trainer/parallel/placement.py's connect_ray)."""
+    assert SERVICES[TRAINER]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
+    run = run_trainer(shell, tmp_path, gpus=gpus)
+    assert run.returncode == 0, (run.log, run.stderr)
+    assert run.keys["trainer.n_gpus_per_node"] == str(expected) and run.keys["trainer.nnodes"] == "1"
+    if "GPUS_PER_NODE" not in shell:
+        assert f"GPUS_PER_NODE={expected}: the GPUs this container sees" in run.log
+    assert "RAY_ADDRESS" not in SERVICES[TRAINER]["environment"] and "start_ray.sh" not in command_text(
+        SERVICES[TRAINER]
+    )
+    if gpus == 8 and not shell:  # compose's batch sizes split evenly over 8 GPUs: the trainer accepts it
+        trainer_dry_run([f"{k}={v}" for k, v in run.keys.items()])
+
+
+def test_cpu_overlay_trainer_still_starts_once_every_service_is_healthy():
+    """compose.cpu.yaml's trainer has its own command (it waits for all three services, the retrieval-server
+    included, then trains on CPU): it keeps compose.yaml's former `service_healthy` on all three, so its run
+    (and the docker tests on it) still starts after the retrieval-server's index is built."""
+    merged = SERVICES[TRAINER]["depends_on"] | CPU_OVERLAY[TRAINER].get("depends_on", {})
+    assert {name: merged[name]["condition"] for name in PORTS} == dict.fromkeys(PORTS, "service_healthy")
+    command = command_text(CPU_OVERLAY[TRAINER])
+    for name in PORTS:
+        assert f"{name}=$${name.upper().replace('-', '_')}_URL" in command
+    assert "GPUS_PER_NODE" not in command and "trainer.device=cpu" in command  # one CPU rank, as before
 
 
 START_RAY = (ROOT / "jobgroup" / "scripts" / "start_ray.sh").read_text()
