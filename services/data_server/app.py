@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Literal
 
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import Response
@@ -51,6 +52,12 @@ class DataServerSettings(ServiceSettings):
     synthetic_train_size: int = Field(8192, ge=1, description="Items in synthetic-arith's train split.")
     synthetic_test_size: int = Field(512, ge=1, description="Items in synthetic-arith's test split.")
     hub_probe_timeout_s: float = Field(3.0, gt=0, description="How long to wait when probing the hub.")
+    qa_instruction: Literal["search_r1", "tools"] = Field(
+        "search_r1",
+        description="The instruction of QA prompts: search_r1 teaches Search-R1's <search> tags (the "
+        "trainer's search_r1 tool format); tools asks for the tools the chat template shows (the hermes "
+        "format, e.g. with the code tool), rebuilding verl QA rows' prompts from their questions.",
+    )
 
 
 def dataset_specs(settings: DataServerSettings) -> list[str]:
@@ -68,8 +75,10 @@ def dataset_specs(settings: DataServerSettings) -> list[str]:
 
 def load_store(settings: DataServerSettings) -> DataStore:
     sizes = {"train": settings.synthetic_train_size, "test": settings.synthetic_test_size}
+    qa = settings.qa_instruction
     loaded = [
-        sources.load_spec(spec, seed=settings.seed, synthetic_sizes=sizes) for spec in dataset_specs(settings)
+        sources.load_spec(spec, seed=settings.seed, synthetic_sizes=sizes, qa_instruction=qa)
+        for spec in dataset_specs(settings)
     ]
     return DataStore(loaded, settings.seed)
 

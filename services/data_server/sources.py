@@ -42,6 +42,16 @@ SEARCH_INSTRUCTION = (
     "give only the final answer, with no explanation, inside <answer> ... </answer>, for example "
     "<answer> Paris </answer>. Question: "
 )
+# The same task for the hermes tool format (trainer multi_turn.format=hermes, as with the code tool): the
+# chat template shows the tools and how to call them, so the prompt names no tags of its own
+TOOLS_INSTRUCTION = (
+    "Answer the question below. Reason step by step. If you need facts you do not have, call the tools "
+    "you are given, as often as you need; their results come back to you. When you are sure, give only "
+    "the final answer, with no explanation, inside <answer> ... </answer>, for example "
+    "<answer> Paris </answer>. Question: "
+)
+# --qa-instruction: which instruction QA prompts carry, by the trainer's tool format
+QA_INSTRUCTIONS = {"search_r1": SEARCH_INSTRUCTION, "tools": TOOLS_INSTRUCTION}
 _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
@@ -112,13 +122,20 @@ def math_row(problem: str, solution: str, split: str, index: int, data_source: s
     }
 
 
-def qa_row(question: str, golden_answers: list[str], split: str, index: int, data_source: str) -> dict:
+def qa_row(
+    question: str,
+    golden_answers: list[str],
+    split: str,
+    index: int,
+    data_source: str,
+    instruction: str = SEARCH_INSTRUCTION,
+) -> dict:
     question = question.strip()
     if not question.endswith("?"):
         question += "?"
     return {
         "data_source": data_source,
-        "prompt": [{"role": "user", "content": SEARCH_INSTRUCTION + question + "\n"}],
+        "prompt": [{"role": "user", "content": instruction + question + "\n"}],
         "ability": "fact-reasoning",
         "reward_model": {"style": "rule", "ground_truth": {"target": list(golden_answers)}},
         # the scorer follows the rows, not their name: a QA set served as "hotpot" is still QA
@@ -194,13 +211,36 @@ def detect_kind(row: dict) -> str:
     raise ValueError(f"unrecognised row fields {sorted(keys)}")
 
 
-def build_rows(raw_rows: Iterable[dict], split: str, dataset_name: str) -> tuple[str, str, list[dict]]:
-    """(kind, data_source, verl rows) for raw rows of one split."""
-    rows, kind, data_source = [], "", ""
+def qa_question(row: dict) -> tuple[str, list[str]] | None:
+    """A verl row's question and golden answers when it is a QA row (ground truth {"target": [...]}), as
+    Search-R1's rows hold them (`question` beside the prompt, or in extra_info); else None."""
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    question = row.get("question") or (row.get("extra_info") or {}).get("question")
+    if not isinstance(truth, dict) or "target" not in truth or not isinstance(question, str):
+        return None
+    return question, list(truth["target"])
+
+
+def build_rows(
+    raw_rows: Iterable[dict], split: str, dataset_name: str, qa_instruction: str = "search_r1"
+) -> tuple[str, str, list[dict]]:
+    """(kind, data_source, verl rows) for raw rows of one split. qa_instruction (QA_INSTRUCTIONS' keys):
+    the instruction of QA prompts; other than search_r1, a verl QA row's prompt is rebuilt from its
+    question (its own prompt teaches Search-R1's tags, which the hermes format does not parse)."""
+    instruction = QA_INSTRUCTIONS[qa_instruction]
+    rows, kind, data_source, kept_prompts = [], "", "", 0
     for index, raw in enumerate(raw_rows):
         try:
             kind = kind or detect_kind(raw)
-            if kind == "verl":
+            if kind == "verl" and qa_instruction != "search_r1" and (qa := qa_question(raw)) is not None:
+                row = verl_row(raw, split, index)
+                rebuilt = qa_row(qa[0], qa[1], split, index, row["data_source"], instruction)
+                row["prompt"] = rebuilt["prompt"]
+            elif kind == "verl":
+                truth = (raw.get("reward_model") or {}).get("ground_truth")
+                kept_prompts += (
+                    qa_instruction != "search_r1" and isinstance(truth, dict) and "target" in truth
+                )
                 row = verl_row(raw, split, index)
             elif kind == "qa":
                 row = qa_row(
@@ -209,6 +249,7 @@ def build_rows(raw_rows: Iterable[dict], split: str, dataset_name: str) -> tuple
                     split,
                     index,
                     raw.get("data_source") or dataset_name,
+                    instruction,
                 )
             elif kind == "math":
                 row = math_row(
@@ -226,6 +267,15 @@ def build_rows(raw_rows: Iterable[dict], split: str, dataset_name: str) -> tuple
         rows.append(row)
     if not rows:
         raise DataSourceError(f"dataset {dataset_name!r} split {split!r} is empty")
+    if kept_prompts:
+        log.warning(
+            "dataset %r split %r: %d QA rows have no question field to rebuild their prompts from for "
+            "--qa-instruction %s; they keep their own",
+            dataset_name,
+            split,
+            kept_prompts,
+            qa_instruction,
+        )
     return kind, data_source, rows
 
 
@@ -307,6 +357,7 @@ def load_spec(
     seed: int,
     synthetic_sizes: dict[str, int],
     reader: Callable[[Path], list[dict]] = read_records,
+    qa_instruction: str = "search_r1",
 ) -> Dataset:
     name, source = parse_spec(spec)
     if source.startswith("synthetic-arith"):
@@ -336,7 +387,7 @@ def load_spec(
         }
     dataset = Dataset(name, "", "")
     for split, raw_rows in raw_splits.items():
-        kind, data_source, rows = build_rows(raw_rows, split, name)
+        kind, data_source, rows = build_rows(raw_rows, split, name, qa_instruction)
         dataset.kind, dataset.data_source = dataset.kind or kind, dataset.data_source or data_source
         dataset.splits[split] = with_uids(rows, name, split)
     return dataset

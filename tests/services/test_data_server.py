@@ -262,6 +262,78 @@ def test_qa_math_and_verl_sources(tmp_path):
         assert math["prompt"][0]["content"].endswith("\\boxed{}.")
 
 
+def test_qa_instruction_tools_asks_for_the_tools_instead_of_search_r1_tags(tmp_path):
+    # with the hermes tool format (the code tool), prompts that teach <search> tags leave the search tool
+    # uncalled: --qa-instruction tools serves the same questions and answers with a tools instruction,
+    # rebuilding verl QA rows (Search-R1's nq_hotpotqa) from their question; other rows stay as they are
+    (tmp_path / "qa").mkdir()
+    (tmp_path / "qa" / "test.jsonl").write_text(
+        json.dumps({"id": "q0", "question": "who wrote hamlet", "golden_answers": ["Shakespeare"]}) + "\n"
+    )
+    search_r1_row = {
+        "data_source": "hotpotqa",
+        "question": "capital of italy",
+        "prompt": [
+            {"role": "user", "content": "Answer ... <search> query </search> ... Question: capital of italy?"}
+        ],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["Rome"]}},
+        "extra_info": {"split": "train", "index": 7},
+    }
+    math_row = {
+        "data_source": "custom",
+        "prompt": [{"role": "user", "content": "1+1? <search> stays </search>"}],
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+    }
+    (tmp_path / "verl").mkdir()
+    (tmp_path / "verl" / "test.jsonl").write_text(
+        json.dumps(search_r1_row) + "\n" + json.dumps(math_row) + "\n"
+    )
+    specs = [f"nq={tmp_path / 'qa'}", f"mixed={tmp_path / 'verl'}"]
+    served = {}
+    for instruction in ("search_r1", "tools"):
+        settings = DataServerSettings(datasets=specs, qa_instruction=instruction)
+        with TestClient(create_app(settings)) as client:
+            while client.get("/health").status_code != 200:
+                pass
+            for name in ("nq", "mixed"):
+                body = {"dataset": name, "split": "test", "batch_size": 2 if name == "mixed" else 1}
+                items = client.post("/v1/batches", json=body).json()["items"]
+                served[instruction, name] = sorted(items, key=lambda row: row["extra_info"]["index"])
+    nq_tools, nq_search = served["tools", "nq"][0], served["search_r1", "nq"][0]
+    assert "<search>" in nq_search["prompt"][0]["content"]
+    assert "<search>" not in nq_tools["prompt"][0]["content"]
+    assert "call the tools" in nq_tools["prompt"][0]["content"]
+    assert nq_tools["prompt"][0]["content"].endswith("who wrote hamlet?\n")
+    assert nq_tools["reward_model"] == nq_search["reward_model"]
+    assert nq_tools["extra_info"]["scorer"] == "qa_em"
+    verl_math, verl_qa = served["tools", "mixed"]  # by extra_info.index: the QA row's is its own 7
+    assert verl_qa["prompt"][0]["content"].endswith("capital of italy?\n")
+    assert (
+        "<search>" not in verl_qa["prompt"][0]["content"]
+        and "call the tools" in verl_qa["prompt"][0]["content"]
+    )
+    assert verl_qa["data_source"] == "hotpotqa" and verl_qa["reward_model"]["ground_truth"] == {
+        "target": ["Rome"]
+    }
+    assert verl_math["prompt"] == math_row["prompt"]  # not a QA row: its prompt is its author's
+    assert served["search_r1", "mixed"][1]["prompt"] == search_r1_row["prompt"]
+
+
+def test_qa_instruction_tools_keeps_and_reports_qa_rows_it_cannot_rebuild(caplog):
+    from services.data_server.sources import build_rows
+
+    no_question = {
+        "data_source": "nq",
+        "prompt": [{"role": "user", "content": "<search> ... Question: who?"}],
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["x"]}},
+    }
+    with caplog.at_level("WARNING", logger="services.data_server"):
+        _, _, rows = build_rows([no_question], "train", "nq", "tools")
+    assert rows[0]["prompt"] == no_question["prompt"]
+    assert "1 QA rows have no question field" in caplog.text
+
+
 def test_synthetic_problems_are_consistent():
     for difficulty in ("easy", "medium", "hard"):
         for index in range(200):
