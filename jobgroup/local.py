@@ -332,6 +332,8 @@ def plan_services(opts: argparse.Namespace) -> list[ServiceSpec]:
             own = ("--index", str(retrieval_index_path(opts)))
         if key == "reward" and "code" in ports:  # code rows: their test cases run on the code-executor
             own = ("--code-executor-url", f"http://127.0.0.1:{ports['code']}")
+        if key == "data" and "code" in ports:  # the trainer speaks hermes (trainer_argv): QA prompts too
+            own = ("--qa-instruction", "tools")
         extra = shlex.split(getattr(opts, f"{kind.name.replace('-', '_')}_args") or "")
         argv = (sys.executable, "-m", *kind.command, *own, "--host", "127.0.0.1",
                 "--log-format", "text", "--port", str(ports[key]), *extra)  # fmt: skip

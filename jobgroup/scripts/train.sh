@@ -136,7 +136,8 @@ if [ -z "${SERVICES_AUTH_TOKEN:-}" ] && [ -n "${CODE_EXECUTOR_AUTH_TOKEN:-}" ]; 
 fi
 # The tools: search (USE_RETRIEVAL), the code interpreter (USE_CODE_EXECUTOR) or both. With any, the
 # rollouts are multi-turn: each trajectory calls its tools as it generates (trainer/agent/).
-tool_config='' default_format=hermes
+tool_config=''
+tool_format=$(bash "$here/tool_format.sh") || exit 2  # the data-server's QA prompts follow the same rule
 if [ $use_retrieval = 1 ]; then
   if [ -z "${RETRIEVAL_SERVER_URL:-}" ]; then
     echo "error: USE_RETRIEVAL is on but RETRIEVAL_SERVER_URL is not set" >&2
@@ -144,7 +145,7 @@ if [ $use_retrieval = 1 ]; then
   fi
   # the search tool's endpoint and config (it reads RETRIEVAL_SERVER_URL and RETRIEVAL_TOPK itself)
   args+=("services.retrieval_url='$RETRIEVAL_SERVER_URL'")
-  tool_config=jobgroup/tools/search_tool_config.yaml default_format=search_r1
+  tool_config=jobgroup/tools/search_tool_config.yaml
 fi
 if [ $use_code_executor = 1 ]; then
   if [ -z "${CODE_EXECUTOR_URL:-}" ]; then
@@ -152,14 +153,14 @@ if [ $use_code_executor = 1 ]; then
     exit 2
   fi
   # the code tool reads CODE_EXECUTOR_URL itself; Search-R1's tags call the search tool alone: hermes
-  tool_config=jobgroup/tools/code_tool_config.yaml default_format=hermes
+  tool_config=jobgroup/tools/code_tool_config.yaml
   [ $use_retrieval = 1 ] && tool_config=jobgroup/tools/search_code_tool_config.yaml
 fi
 if [ -n "$tool_config" ]; then
   args+=(
     actor_rollout_ref.rollout.multi_turn.enable=True
     "actor_rollout_ref.rollout.multi_turn.tool_config_path=$tool_config"
-    "actor_rollout_ref.rollout.multi_turn.format=${TOOL_FORMAT:-$default_format}"
+    "actor_rollout_ref.rollout.multi_turn.format=$tool_format"
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=$MAX_ASSISTANT_TURNS"
   )
   [ -n "${MAX_TOOL_RESPONSE_LENGTH:-}" ] &&

@@ -276,15 +276,46 @@ def trainer_keys(shell: dict[str, str], tmp_path: Path) -> dict[str, str]:
     return run.keys
 
 
-def data_server_datasets(shell: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    """{name: source} of the data-server's --datasets as compose runs it with `shell`'s variables."""
+def data_server_argv(shell: dict[str, str], tmp_path: Path) -> list[str]:
+    """The data-server's arguments as compose runs it with `shell`'s variables (a stand-in python)."""
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
     fake.chmod(0o755)
     argv = run_command("data-server", shell, path=tmp_path)
     assert argv[:4] == ["-m", "services.data_server", "--port", "8000"], argv
+    return argv
+
+
+def data_server_datasets(shell: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """{name: source} of the data-server's --datasets as compose runs it with `shell`'s variables."""
+    argv = data_server_argv(shell, tmp_path)
     specs = argv[argv.index("--datasets") + 1 :]
+    specs = specs[: next((i for i, arg in enumerate(specs) if arg.startswith("--")), len(specs))]
     return dict(parse_spec(spec) for spec in specs)
+
+
+@pytest.mark.parametrize(
+    "shell",
+    [
+        {},
+        {"USE_RETRIEVAL": "true"},
+        {"USE_CODE_EXECUTOR": "true"},
+        {"USE_RETRIEVAL": "true", "USE_CODE_EXECUTOR": "true"},
+        {"USE_RETRIEVAL": "true", "TOOL_FORMAT": "hermes"},
+    ],
+    ids=["no-tools", "search", "code", "both", "search-hermes"],
+)
+def test_qa_prompts_teach_the_tool_format_the_trainer_parses(shell, tmp_path):
+    """The data-server's QA prompts follow the trainer's tool format (jobgroup/scripts/tool_format.sh):
+    Search-R1's <search> tags for search_r1, the tools the chat template shows for hermes (the code tool
+    makes it hermes). Before, USE_CODE_EXECUTOR trained hermes on prompts that taught <search> tags, so
+    the search tool was never called."""
+    argv = data_server_argv(shell, tmp_path)
+    qa_instruction = argv[argv.index("--qa-instruction") + 1]
+    keys = trainer_keys(shell, tmp_path)
+    trained_format = keys.get("actor_rollout_ref.rollout.multi_turn.format", "search_r1")
+    assert qa_instruction == ("tools" if trained_format == "hermes" else "search_r1"), (keys, argv)
+    assert (trained_format == "hermes") == ("USE_CODE_EXECUTOR" in shell or "TOOL_FORMAT" in shell)
 
 
 YAML_TASKS = {

@@ -307,6 +307,39 @@ def test_reward_server_scores_code_on_the_code_executor_only_when_asked(flag):
         assert "--code-executor-url" not in argv and "CODE_EXECUTOR_URL" not in urls
 
 
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"USE_CODE_EXECUTOR": "true"},
+        {"TOOL_FORMAT": "hermes"},
+        {"USE_CODE_EXECUTOR": "true", "TOOL_FORMAT": "search_r1"},
+    ],
+    ids=["search", "code", "hermes", "code-search_r1"],
+)
+def test_data_server_qa_prompts_teach_the_format_the_trainer_parses(env):
+    """With the hermes format (the code tool) nq_hotpotqa's prompts must not teach Search-R1's tags, which
+    the hermes parser does not read: the data-server task's --qa-instruction follows train.sh's format."""
+    tasks = tasks_by_name(load("verl-grpo.yaml", env=env))
+    task = tasks["data-server"]
+    done = run_section(task.run, task.envs, swap={"python -m services.data_server": "echo SERVE"})
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.split()
+    flags = tuple(arg for arg in argv if arg.startswith("--"))
+    check_module_call(ModuleCall("services.data_server", None, flags, "verl-grpo.yaml/data-server"))
+    trained = train_sh_argv(
+        {**tasks[TRAINER].envs, "CODE_EXECUTOR_URL": "http://c:8003", "RETRIEVAL_SERVER_URL": "http://r:8002"}
+    )
+    trained_format = next(
+        a.partition("=")[2] for a in trained if a.startswith("actor_rollout_ref.rollout.multi_turn.format=")
+    )
+    assert argv[argv.index("--qa-instruction") + 1] == (
+        "tools" if trained_format == "hermes" else "search_r1"
+    )
+    bad = run_section(task.run, {**task.envs, "USE_CODE_EXECUTOR": "maybe"})
+    assert bad.returncode == 2 and "USE_CODE_EXECUTOR=maybe is not a flag" in bad.stderr
+
+
 def test_train_sh_with_the_code_executor_trains_with_its_tool(monkeypatch):
     trainer = tasks_by_name(load("verl-grpo.yaml", env={"USE_CODE_EXECUTOR": "yes"}))[TRAINER]
     urls = exported_urls(trainer.run, group="g7", envs=trainer.envs)

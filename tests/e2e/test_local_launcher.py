@@ -355,6 +355,8 @@ def test_the_retrieval_server_alone_trains_with_search_as_the_skypilot_group_doe
     # train.sh's USE_RETRIEVAL: the search tool's config, Search-R1's tags, up to 4 model turns
     assert keys[f"{multi_turn}.tool_config_path"].endswith("jobgroup/tools/search_tool_config.yaml")
     assert keys[f"{multi_turn}.format"] == "search_r1" and keys[f"{multi_turn}.max_assistant_turns"] == "4"
+    data = {spec.name: spec for spec in local.plan_services(opts)}["data-server"].argv
+    assert "--qa-instruction" not in data  # the data-server's default: Search-R1's tags, as trained
 
 
 @pytest.mark.parametrize("with_search", [False, True])
@@ -382,6 +384,9 @@ def test_the_code_executor_url_reaches_the_reward_server_and_the_trainer(tmp_pat
     multi_turn = "actor_rollout_ref.rollout.multi_turn"
     assert keys[f"{multi_turn}.tool_config_path"] == str(ROOT / "jobgroup" / "tools" / tools)
     assert keys[f"{multi_turn}.enable"] == "true" and keys[f"{multi_turn}.format"] == "hermes"
+    # hermes: QA prompts ask for the tools the chat template shows, not Search-R1's tags
+    data = list(services["data-server"].argv)
+    assert data[data.index("--qa-instruction") + 1] == "tools"
     assert ("services.retrieval_url" in keys) == with_search
     assert argv[-1] == "trainer.total_training_steps=2"  # the user's keys come last and win
 
