@@ -667,3 +667,19 @@ def test_both_tools_on_the_real_services(retrieval, tokenizers, monkeypatch):
     metrics = batch.metrics()
     assert metrics["tool/code_interpreter/calls"] == 2 and metrics["tool/errors"] == 0
     assert not batch.trajectories[0].failed_tool
+
+
+@pytest.mark.parametrize("fmt", ["search_r1", "hermes"])
+def test_hermes_over_prompts_teaching_search_tags_is_reported(retrieval, tokenizers, fmt, caplog):
+    # the hermes parser reads <tool_call> JSON only: prompts that teach <search> tags (a QA set served
+    # with the data-server's default instruction) would train without one search, and nothing said so
+    tokenizer = tokenizers["qwen"]
+    row = QA_ROWS[0]
+    messages = [{"role": "user", "content": f"Search with <search> query </search>. {row['question']}"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    answers = {row["question"]: row["golden_answers"][0]}
+    with caplog.at_level("WARNING", logger="trainer"):
+        run_agent(tokenizer, planned(fmt, {row["question"]: []}, answers), [prompt], [retrieval], fmt=fmt)
+    warned = [r for r in caplog.records if "teach Search-R1's <search> tags" in r.getMessage()]
+    assert len(warned) == (1 if fmt == "hermes" else 0)

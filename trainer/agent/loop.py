@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 import time
 import uuid
@@ -53,9 +54,19 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from services.common.client import backoff_delay
-from trainer.agent.formats import ToolCall, ToolFormat, ToolResult, Truncation, TruncateSide, encode_literal
+from trainer.agent.formats import (
+    HermesFormat,
+    ToolCall,
+    ToolFormat,
+    ToolResult,
+    Truncation,
+    TruncateSide,
+    encode_literal,
+)
 from trainer.agent.search import SearchStats, SearchTool
 from trainer.rollout.base import FinishReason, Rollout, SamplingParams, derived_seed
+
+log = logging.getLogger("trainer")
 
 FailurePolicy = Literal["text", "drop_group", "retry"]
 
@@ -314,6 +325,21 @@ class AgentLoop:
             tokenizer, settings.max_tool_response_length, settings.tool_response_truncate_side
         )
         self._rng = random.Random()
+        self._prompts_checked = False
+
+    def check_prompt(self, prompt: Sequence[int]) -> str | None:
+        """A warning when the prompts teach tool calls this format does not parse (checked once a run):
+        hermes reads <tool_call> JSON only, so prompts teaching Search-R1's <search> tags (a QA set
+        served with its default instruction) train without a single search."""
+        if not isinstance(self.format, HermesFormat):
+            return None
+        if "<search>" not in self.tokenizer.decode(list(prompt), skip_special_tokens=False):
+            return None
+        return (
+            "multi_turn.format=hermes, but the prompts teach Search-R1's <search> tags, which hermes does "
+            "not parse: no search will be called. Serve QA prompts with the data-server's "
+            "--qa-instruction tools, or train with multi_turn.format=search_r1"
+        )
 
     async def generate(
         self, prompt_ids: Sequence[list[int]], sampling: SamplingParams, on_group: OnGroup | None = None
@@ -321,6 +347,10 @@ class AgentLoop:
         """sampling.n trajectories per prompt, all at once; rollouts grouped by prompt, as engines do.
         on_group(index, rollouts) gets each prompt's n rollouts as soon as they all end, except under
         tool_failure=drop_group the groups in the batch's failed_prompts, which are not to be trained on."""
+        if not self._prompts_checked and prompt_ids:
+            self._prompts_checked = True
+            if (warning := self.check_prompt(prompt_ids[0])) is not None:
+                log.warning(warning)
         n, batch_key = sampling.n, uuid.uuid4().hex
         trajectories = [
             Trajectory(index, list(prompt)) for index, prompt in enumerate(prompt_ids) for _ in range(n)
