@@ -75,9 +75,14 @@ def dataset_specs(settings: DataServerSettings) -> list[str]:
 
 def load_store(settings: DataServerSettings) -> DataStore:
     sizes = {"train": settings.synthetic_train_size, "test": settings.synthetic_test_size}
-    qa = settings.qa_instruction
     loaded = [
-        sources.load_spec(spec, seed=settings.seed, synthetic_sizes=sizes, qa_instruction=qa)
+        sources.load_spec(
+            spec,
+            seed=settings.seed,
+            synthetic_sizes=sizes,
+            qa_instruction=settings.qa_instruction,
+            hub_probe_timeout_s=settings.hub_probe_timeout_s,
+        )
         for spec in dataset_specs(settings)
     ]
     return DataStore(loaded, settings.seed)

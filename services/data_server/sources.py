@@ -314,12 +314,12 @@ def split_files(path: Path) -> dict[str, list[Path]]:
     return found
 
 
-def read_hub(repo: str, config: str | None) -> dict[str, list[dict]]:
+def read_hub(repo: str, config: str | None, probe_timeout_s: float) -> dict[str, list[dict]]:
     try:
         import datasets
     except ImportError:
         raise DataSourceError("loading from the hub needs the `datasets` package") from None
-    offline = not hub_reachable()
+    offline = not hub_reachable(probe_timeout_s)
     if offline:  # the local cache only: no retries against a hub that cannot answer
         datasets.config.HF_HUB_OFFLINE = True
     try:
@@ -358,6 +358,7 @@ def load_spec(
     synthetic_sizes: dict[str, int],
     reader: Callable[[Path], list[dict]] = read_records,
     qa_instruction: str = "search_r1",
+    hub_probe_timeout_s: float = 3.0,
 ) -> Dataset:
     name, source = parse_spec(spec)
     if source.startswith("synthetic-arith"):
@@ -379,7 +380,8 @@ def load_spec(
         return dataset
     if source.startswith("hub:"):
         repo, _, config = source[4:].partition(":")
-        raw_splits = read_hub(repo, config or ("main" if repo == GSM8K_SOURCE else None))
+        config = config or ("main" if repo == GSM8K_SOURCE else None)
+        raw_splits = read_hub(repo, config, hub_probe_timeout_s)
     else:
         raw_splits = {
             split: [row for file in files for row in reader(file)]

@@ -4,6 +4,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pyarrow as pa
@@ -332,6 +333,32 @@ def test_qa_instruction_tools_keeps_and_reports_qa_rows_it_cannot_rebuild(caplog
         _, _, rows = build_rows([no_question], "train", "nq", "tools")
     assert rows[0]["prompt"] == no_question["prompt"]
     assert "1 QA rows have no question field" in caplog.text
+
+
+def test_hub_probe_timeout_reaches_the_probe_of_a_named_hub_dataset(monkeypatch):
+    """--hub-probe-timeout-s bounded only the probe for the default datasets; a hub dataset named with
+    --datasets was probed with the library's 3 s whatever the setting said."""
+    import datasets
+
+    from services.data_server import sources
+
+    probes = []
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout_s=3.0: probes.append(timeout_s) or False)
+
+    def not_cached(*args, **kwargs):
+        raise FileNotFoundError("not in the cache")
+
+    monkeypatch.setattr(datasets, "load_dataset", not_cached)
+    settings = DataServerSettings(datasets=["gsm8k=hub:openai/gsm8k"], hub_probe_timeout_s=0.25)
+    with TestClient(create_app(settings)) as client:
+        health = client.get("/health").json()
+        for _ in range(100):
+            if health["status"] != "loading":
+                break
+            time.sleep(0.05)
+            health = client.get("/health").json()
+    assert health["status"] == "failed" and "hub is unreachable" in health["error"]
+    assert probes == [0.25]  # the old code probed with 3.0
 
 
 def test_synthetic_problems_are_consistent():
