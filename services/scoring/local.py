@@ -48,7 +48,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from services.code_executor.client import CodeExecutorClient
 from services.common.client import ServiceError
@@ -185,6 +185,22 @@ class ScorerSettings(BaseModel):
     judge_threshold: float = Field(
         0.5, ge=0, le=1, description="A judge score (in [0, 1]) at or above this counts as `correct`."
     )
+
+    @field_validator("code_executor_url", "judge_url")
+    @classmethod
+    def _http_urls(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Refused here, at startup: an empty or scheme-less URL would still switch its scorer on and then
+        fail every item it scores (an empty code_executor_url as a 500 for the whole request)."""
+        if value is None:
+            return None
+        many = info.field_name == "code_executor_url"  # replicas, comma-separated
+        urls = [url.strip() for url in value.split(",") if url.strip()] if many else [value.strip()]
+        for url in urls or [value]:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"{url[:80]!r} is not an http:// or https:// URL (leave it unset to turn its scorer off)"
+                )
+        return value
 
 
 @dataclass(slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ from services.reward_server import verl_compat
 from services.reward_server.client import RewardClient, chunk_items, encode_item
 from services.scoring import LocalScorer, scorer_for
 from services.reward_server.schemas import RewardItem, RewardItemDict, RewardOptions
-from tests.helpers import free_port, service_process
+from tests.helpers import ROOT, free_port, service_process
 
 HANG = "\\boxed{9^{9^{9^{9}}}}"  # sympy tries to evaluate a number with ~10^(3.7e8) digits
 MATH_TIMEOUT_S = 1.5
@@ -406,6 +408,29 @@ def test_chunking_respects_items_and_bytes():
     assert list(chunk_items([b"x" * 50], 4, 10)) == [
         (0, 1)
     ]  # one item too large still goes (the server judges)
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--code-executor-url", ""), ("--code-executor-url", "127.0.0.1:8003"), ("--judge-url", "")],
+)
+def test_a_url_that_cannot_work_is_refused_at_startup_in_one_line(flag, value):
+    """An empty --code-executor-url (an unset variable in a launch script) switched scorer 'code' on, and
+    then every request with a code item was a 500 ("no service URL given"); now the server will not start."""
+    result = subprocess.run(
+        [sys.executable, "-m", "services.reward_server", flag, value, "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    field = flag.removeprefix("--").replace("-", "_")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: invalid settings: {field}: Value error, {value!r} is not an http:// or https:// URL "
+        "(leave it unset to turn its scorer off)"
+    ]
 
 
 def test_verl_compute_score_per_item_and_batched(server, monkeypatch):
