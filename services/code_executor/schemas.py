@@ -55,7 +55,10 @@ class RunCodeRequest(BaseModel):
         "python", description="SandboxFusion's language name; GET /v1/languages lists those this server runs."
     )
     compile_timeout: float = Field(
-        10, gt=0, description="Seconds for the compile step (compiled languages; unused by python)."
+        10,
+        gt=0,
+        description="SandboxFusion's limit on a compile step; accepted and unused here: the languages this "
+        "server runs (python, bash) compile nothing.",
     )
     run_timeout: float = Field(10, gt=0, description="Wall-clock seconds the program may run.")
     memory_limit_MB: JsonInt = Field(

@@ -94,6 +94,28 @@ class RetrievalServerSettings(ServiceSettings):
         return self
 
 
+DENSE_KINDS = ("flat", "hnsw", "ivfpq")
+# settings that only some index kinds read: BM25 embeds nothing, and each FAISS kind has its own knob
+INDEX_KIND_SETTINGS = {
+    "embedder": DENSE_KINDS,
+    "query_prefix": DENSE_KINDS,
+    "query_precision": DENSE_KINDS,
+    "device": DENSE_KINDS,
+    "threads": DENSE_KINDS,
+    "ef_search": ("hnsw",),
+    "nprobe": ("ivfpq",),
+}
+
+
+def inert_settings(settings: RetrievalServerSettings, index_type: str) -> list[str]:
+    """The settings given a value (not their default) that an index of this kind never reads."""
+    return [
+        name
+        for name, kinds in INDEX_KIND_SETTINGS.items()
+        if index_type not in kinds and getattr(settings, name) != type(settings).model_fields[name].default
+    ]
+
+
 def parse_request(body: bytes, settings: RetrievalServerSettings) -> SearchJob:
     """A /retrieve body -> a job within the limits, or the 4xx naming the problem."""
     data = load_json(body)
@@ -154,6 +176,10 @@ def load_state(app: FastAPI, settings: RetrievalServerSettings) -> None:
     # (inside load_retriever) sets its logger to DEBUG, so this must come after.
     logging.getLogger("bm25s").setLevel(logging.WARNING)
     dense = retriever.manifest.embedder is not None
+    inert = inert_settings(settings, retriever.manifest.index_type)
+    if inert:
+        flags = ", ".join("--" + name.replace("_", "-") for name in inert)
+        log.warning(f"{flags}: no effect on a {retriever.manifest.index_type} index; ignored")
     warm_up = SearchJob(["warm-up query"], 1, True)
     retriever.answer([Slice(warm_up.queries, warm_up.options)])  # first-call costs before /health is ok
     metrics = BatchMetrics(app.state.metrics.registry, "retrieval_server")

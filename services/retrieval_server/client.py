@@ -8,9 +8,10 @@ from services.retrieval_server.schemas import Document, Hit
 
 class RetrievalClient(ServiceClient):
     async def retrieve(
-        self, queries: list[str], topk: int = 3, return_scores: bool = True
+        self, queries: list[str], topk: int | None = None, return_scores: bool = True
     ) -> list[list[Hit]]:
-        """Per query, the topk passages, best first (score None when return_scores is false)."""
+        """Per query, the topk passages, best first (score None when return_scores is false); topk None:
+        the server's --default-topk."""
         payload = {"queries": list(queries), "topk": topk, "return_scores": return_scores}
         result = (await self.http.post("/retrieve", payload))["result"]
         if return_scores:

@@ -266,3 +266,58 @@ def test_fair_batcher_reports_saturation_and_drops_abandoned_work():
     assert busy is not None and "for its first micro-batch (4 queries queued)" in busy
     assert answers == [["R1", "R2"], ["W"]] and idle is None
     assert not any(q.startswith("x") for q in seen)  # the abandoned request's queries never ran
+
+
+def test_settings_an_index_kind_never_reads_are_named_once_at_load(tmp_path, caplog):
+    """A BM25 index embeds nothing and each FAISS kind has its own knob: --ef-search on a flat or IVF
+    index, or --embedder, --device, --query-precision on a BM25 one, were accepted and did nothing."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from services.retrieval_server.app import RetrievalServerSettings, create_app, inert_settings
+    from services.retrieval_server.build import BuildConfig, build
+
+    corpus = tmp_path / "corpus.jsonl"
+    rows = [{"id": str(i), "contents": f'"Title {i}"\nthe river number {i} flows east'} for i in range(3)]
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    build(BuildConfig(corpus=corpus, out=tmp_path / "bm25", index_type="bm25", progress=False))
+    settings = RetrievalServerSettings(
+        index=tmp_path / "bm25", query_precision="float32", device="cuda", ef_search=32, nprobe=4
+    )
+    caplog.set_level(logging.WARNING, logger="services.retrieval_server")
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/health").json()["status"] == "ok"
+        assert client.post("/retrieve", json={"queries": ["river 1"], "topk": 1}).status_code == 200
+    said = [r.getMessage() for r in caplog.records if r.name == "services.retrieval_server"]
+    assert said == ["--query-precision, --device, --ef-search, --nprobe: no effect on a bm25 index; ignored"]
+    # each FAISS kind reads its own knob alone; defaults are never named
+    knobs = RetrievalServerSettings(ef_search=32, nprobe=4)
+    assert inert_settings(knobs, "flat") == ["ef_search", "nprobe"]
+    assert inert_settings(knobs, "hnsw") == ["nprobe"]
+    assert inert_settings(knobs, "ivfpq") == ["ef_search"]
+    assert inert_settings(RetrievalServerSettings(), "bm25") == []
+
+
+def test_client_leaves_topk_to_the_server_unless_asked():
+    """RetrievalClient.retrieve sent topk 3 when its caller gave none, so the server's --default-topk
+    never applied to it."""
+    from services.retrieval_server.client import RetrievalClient
+
+    sent = []
+
+    async def post(path, payload, **kwargs):
+        sent.append((path, payload))
+        return {"result": [[]]}
+
+    async def ask():
+        async with RetrievalClient("http://127.0.0.1:9") as client:
+            client.http.post = post
+            await client.retrieve(["q"])
+            await client.retrieve(["q"], topk=5)
+
+    asyncio.run(ask())
+    assert [payload["topk"] for _, payload in sent] == [None, 5]  # null: the server's default_topk
