@@ -118,7 +118,10 @@ class CodeTool:
         try:
             response = await self.client.run_code(request)
         except ServiceError as exc:
-            if exc.status_code is not None and 400 <= exc.status_code < 500:
+            # 401/403 refuse the run's token, not the model's call: a tool failure (tool/errors, and the
+            # tool_failure policy), not an invalid call, which no metric or policy treats as an outage
+            refused = exc.status_code is not None and 400 <= exc.status_code < 500
+            if refused and exc.status_code not in (401, 403):
                 return ToolResult.invalid(f"Error: the code-executor refused the run: {_short(exc)}")
             return self._failed(exc)
         except ValueError as exc:  # an answer that is not SandboxFusion's JSON

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import queue
 import threading
@@ -36,6 +37,8 @@ import torch
 from trainer.parallel.distributed import NCCL_ENV, free_port, init_data_parallel, local_data_parallel
 from trainer.profiling import profiler_activities, write_profile
 from trainer.rollout.base import pack_rollouts, unpack_rollouts
+
+log = logging.getLogger("trainer")
 
 PLACEMENT_TIMEOUT_S = 300.0
 REPLICA_CALLS = "replica"  # the rank actors' concurrency group for the rollout manager's requests
@@ -550,11 +553,16 @@ class RankReplica:
 
 
 async def _settled(call) -> None:
-    """Await a Ray call whose failure changes nothing (a cancellation the rank may no longer hear)."""
+    """Await a Ray call whose failure changes nothing (a cancellation the rank may no longer hear); a
+    failure of a live rank is logged: its engine may still be generating what the driver gave up on."""
+    from ray.exceptions import RayActorError
+
     try:
         await call
-    except Exception:  # noqa: BLE001 - a rank that is gone has nothing left to stop
+    except RayActorError:  # a rank that is gone has nothing left to stop
         pass
+    except Exception as exc:  # noqa: BLE001 - a cancellation that failed stops nothing else
+        log.warning("cancel_rollouts failed on a live rank: %s", _first_line(exc))
 
 
 def rank_failure(
