@@ -121,6 +121,8 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: d
             query, key, value = (t.to(dtype) for t in (query, key, value))
             try:
                 return kernel(query, key, value, packed["cu_seq_lens_q"], packed["max_length_q"], scale)
+            except torch.OutOfMemoryError:  # a RuntimeError, but this micro-batch's, not the kernel's fault
+                raise
             except (RuntimeError, TypeError, ValueError) as exc:  # an older or newer torch's signature
                 log.warning(
                     "flash attention failed (%s): packed attention runs per sequence from now on", exc

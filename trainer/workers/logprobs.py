@@ -27,6 +27,7 @@ gradient flows through it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ from trainer.parallel.fsdp import compute_device, in_root_forward, release_gathe
 from trainer.model import autocast, backbone_and_head
 from trainer.packing import is_packed, response_hidden_states
 from trainer.workers.common import MicroBatchSize, micro_batches, pad_response_columns
+
+log = logging.getLogger(__name__)
 
 # tokens per LM-head chunk: 2048 x 151936 bf16 logits = 0.6 GB. On an H100 the 0.5B update's forward +
 # backward ran 202 ms a micro-batch of 64 sequences at 2048, 210-217 ms at 1024 and 4096 (actor_mfu.py)
@@ -111,7 +114,14 @@ def add_weight_grad(grad_weight: Tensor, grad_logits: Tensor, hidden: Tensor) ->
     if grad_logits.is_cuda and grad_logits.dtype in (torch.bfloat16, torch.float16) and _ADDMM_FP32[0]:
         try:
             return torch.addmm(grad_weight, grad_logits.T, hidden, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a torch without addmm(out_dtype=...) for these dtypes
+        except torch.OutOfMemoryError:  # a RuntimeError, but no sign of a torch without the overload
+            raise
+        except (RuntimeError, TypeError) as exc:  # a torch without addmm(out_dtype=...) for these dtypes
+            log.warning(
+                "torch.addmm(out_dtype=float32) failed (%s): the head-weight gradient takes the slower "
+                "product, cast and add from now on",
+                exc,
+            )
             _ADDMM_FP32[0] = False
     return grad_weight + (grad_logits.T @ hidden).float()
 
