@@ -303,7 +303,18 @@ def trainable_groups(
     Dropped groups are refilled as DAPO's are, by another round (bounded by DAPO's max rounds where set;
     without DAPO each such round keeps a group, so it ends). A round that loses every group to failed
     tool calls stops the run instead, as a service error (the finished steps are saved): the clients'
-    retries are spent, so the tools' services are down and another round would fail the same way."""
+    retries are spent, so the tools' services are down and another round would fail the same way. Under
+    the other policies (text, retry) a round whose every tool call failed stops the run the same way:
+    its trajectories would train on nothing but the failures' text."""
+    if tools is not None and not plan.drop_failed_tool_groups:
+        ran = sum(stats.calls - stats.invalid_calls for stats in tools.tools.values())
+        failed_calls = sum(stats.errors for stats in tools.tools.values())
+        if ran and failed_calls >= ran:
+            failing = sorted(name for name, stats in tools.tools.items() if stats.errors)
+            raise ServiceError(
+                f"every one of the {ran} tool calls of a generation round failed (tools {failing}), after "
+                "the clients' retries: their services are down"
+            )
     if plan.drop_failed_tool_groups and tools is not None:
         failed = set(tools.failed_prompts)
         if failed and len(failed) == len(groups):

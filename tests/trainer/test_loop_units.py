@@ -232,6 +232,24 @@ def test_a_round_whose_every_group_had_a_tool_fail_stops_as_a_service_error():
         trainable_groups(groups, plan, tool_batch(3, 2, failed={0, 1, 2}))
 
 
+def test_a_round_whose_every_tool_call_failed_stops_under_text_and_retry_too():
+    # tool_failure text / retry train on the failures' text; when every call failed (the clients'
+    # retries spent: the services are down) that is all they would train on, so the run stops as it
+    # does when a service stays down. One call that ran is enough to go on.
+    groups = [PromptGroup(prompt_record(str(i))) for i in range(3)]
+    plan = BatchPlan(prompts=3, prompts_per_round=3, group_filter=None, drop_failed_tool_groups=False)
+
+    def batch(calls: int, invalid: int, errors: int) -> AgentBatch:
+        stats = {"search": ToolStats(calls=calls, invalid_calls=invalid, errors=errors)}
+        return AgentBatch([], [], 0.0, SearchStats(), stats)
+
+    with pytest.raises(ServiceError, match=r"every one of the 5 tool calls .*\(tools \['search'\]\)"):
+        trainable_groups(groups, plan, batch(calls=6, invalid=1, errors=5))
+    assert trainable_groups(groups, plan, batch(calls=6, invalid=1, errors=4)) == groups
+    assert trainable_groups(groups, plan, batch(calls=2, invalid=2, errors=0)) == groups  # none ran
+    assert trainable_groups(groups, plan, batch(calls=0, invalid=0, errors=0)) == groups  # no calls
+
+
 class DroppingAgent:
     """The agent loop's drop_group contract without a model: round r fails a tool call in the prompts
     rounds[r] (every trajectory of them) and, as AgentLoop does, hands only the other groups on."""
