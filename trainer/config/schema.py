@@ -337,7 +337,8 @@ class MultiTurnConfig(Section):
         "the trajectory goes on (verl's behaviour); drop_group: the prompt's whole group is left out "
         "of the step unscored (tool/dropped_groups counts them) and more prompts are generated to fill "
         "the batch, as DAPO's dynamic sampling does; a round in which every group fails stops the run; "
-        "retry: the call runs again up to tool_failure_retries times, then as text.",
+        "retry: the call runs again up to tool_failure_retries times, then as text. Under text and "
+        "retry a round in which every tool call failed stops the run (the finished steps are saved).",
     )
     tool_failure_retries: int = Field(
         2, ge=1, description="tool_failure=retry: tries of a failed call after the first, with backoff."
