@@ -431,6 +431,24 @@ def test_policy_reports_the_lr_of_each_step_with_warmup(base_model):
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])
 
 
+def test_an_update_whose_steps_are_skipped_for_a_non_finite_grad_norm_says_so(base_model, caplog):
+    # a nan weight makes every gradient nan: each optimizer step is skipped (found_inf), the grad_norm
+    # metric reads nan, and the update says how many steps it skipped instead of going on silently
+    batch = with_training_fields(make_batch(batch_size=4), base_model)
+    model = fresh(base_model)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    policy = policy_of(model, mini=2, micro=2, lr=1e-3)
+    with caplog.at_level("WARNING", logger="trainer"):
+        metrics = policy.update(batch)
+    assert math.isnan(metrics["actor/grad_norm"])
+    assert "actor: 2 of 2 optimizer steps skipped for a non-finite grad norm" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer"):  # the negative control: a finite update is quiet
+        policy_of(fresh(base_model), mini=2, micro=2, lr=1e-3).update(batch)
+    assert "skipped" not in caplog.text
+
+
 def test_clip_and_step_clips_the_global_norm_and_skips_non_finite_gradients():
     model = torch.nn.Linear(2, 1, bias=False)
     model.weight.data[:] = torch.tensor([[1.0, 1.0]])

@@ -15,6 +15,7 @@ parallelism these counts are summed over the ranks first (trainer/parallel/distr
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ from trainer.config.derive import MicroBatchSize, TokenBudget
 from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
 from trainer.parallel.fsdp import compute_device, full_tensor
 from trainer.model import autocast
+
+log = logging.getLogger("trainer")
 
 # ------------------------------------------------------------------------------------------ batching
 
@@ -309,14 +312,20 @@ class TrainedModel:
         settings, prefix = self.update_settings, self.metric_prefix
         lr = self.scheduler.get_last_lr()[0]
         self.model.train()
-        metrics = MetricAccumulator()
+        metrics, steps, skipped = MetricAccumulator(), 0, 0
         for _ in range(settings.ppo_epochs):
             for mini_batch in batch.split(settings.mini_batch_size):
                 sums = self.train_mini_batch(mini_batch)
                 grad_norm = clip_and_step(self.model, self.optimizer, self.optim.grad_clip)
                 # the update's one wait for the device, with the clip and the step already queued
-                metrics.add(sums.result(self.dp, same={f"{prefix}/grad_norm": grad_norm}))
+                values = sums.result(self.dp, same={f"{prefix}/grad_norm": grad_norm})
+                steps, skipped = steps + 1, skipped + (not math.isfinite(values[f"{prefix}/grad_norm"]))
+                metrics.add(values)
         self.scheduler.step()
+        if skipped:  # the grad_norm metric reads nan or inf; said here too, as verl's actor says it
+            log.warning(
+                "%s: %d of %d optimizer steps skipped for a non-finite grad norm", prefix, skipped, steps
+            )
         return {**metrics.means(), f"{prefix}/lr": lr}
 
     def check_update_inputs(self, batch: TrainBatch) -> None:
