@@ -211,14 +211,10 @@ def detect_kind(row: dict) -> str:
     raise ValueError(f"unrecognised row fields {sorted(keys)}")
 
 
-def qa_question(row: dict) -> tuple[str, list[str]] | None:
-    """A verl row's question and golden answers when it is a QA row (ground truth {"target": [...]}), as
-    Search-R1's rows hold them (`question` beside the prompt, or in extra_info); else None."""
+def qa_targets(row: dict) -> list[str] | None:
+    """A verl row's golden answers when it is a QA row (ground truth {"target": [...]}); else None."""
     truth = (row.get("reward_model") or {}).get("ground_truth")
-    question = row.get("question") or (row.get("extra_info") or {}).get("question")
-    if not isinstance(truth, dict) or "target" not in truth or not isinstance(question, str):
-        return None
-    return question, list(truth["target"])
+    return list(truth["target"]) if isinstance(truth, dict) and "target" in truth else None
 
 
 def build_rows(
@@ -232,16 +228,18 @@ def build_rows(
     for index, raw in enumerate(raw_rows):
         try:
             kind = kind or detect_kind(raw)
-            if kind == "verl" and qa_instruction != "search_r1" and (qa := qa_question(raw)) is not None:
+            if kind == "verl":
                 row = verl_row(raw, split, index)
-                rebuilt = qa_row(qa[0], qa[1], split, index, row["data_source"], instruction)
-                row["prompt"] = rebuilt["prompt"]
-            elif kind == "verl":
-                truth = (raw.get("reward_model") or {}).get("ground_truth")
-                kept_prompts += (
-                    qa_instruction != "search_r1" and isinstance(truth, dict) and "target" in truth
-                )
-                row = verl_row(raw, split, index)
+                targets = qa_targets(raw) if qa_instruction != "search_r1" else None
+                if (
+                    targets is not None
+                ):  # Search-R1's rows keep `question` beside the prompt (or in extra_info)
+                    question = raw.get("question") or row["extra_info"].get("question")
+                    if isinstance(question, str):
+                        qa = qa_row(question, targets, split, index, row["data_source"], instruction)
+                        row["prompt"] = qa["prompt"]
+                    else:
+                        kept_prompts += 1
             elif kind == "qa":
                 row = qa_row(
                     raw["question"],
