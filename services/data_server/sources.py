@@ -231,9 +231,8 @@ def build_rows(
             if kind == "verl":
                 row = verl_row(raw, split, index)
                 targets = qa_targets(raw) if qa_instruction != "search_r1" else None
-                if (
-                    targets is not None
-                ):  # Search-R1's rows keep `question` beside the prompt (or in extra_info)
+                # Search-R1's rows keep their `question` beside the prompt (or in extra_info)
+                if targets is not None:
                     question = raw.get("question") or row["extra_info"].get("question")
                     if isinstance(question, str):
                         qa = qa_row(question, targets, split, index, row["data_source"], instruction)
