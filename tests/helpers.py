@@ -147,3 +147,16 @@ def code_sandbox_missing() -> str | None:
         check=False,
     )
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no reason given"])[-1]
+
+
+@contextlib.contextmanager
+def code_executor_with_token(token: str, uid_base: int) -> Iterator[str]:
+    """A real one-worker code-executor that asks for `token` (its URL); skips the test where no sandbox
+    can run. uid_base: the sandbox's uids, distinct per test module (the modules may run side by side)."""
+    import pytest
+
+    if (why := code_sandbox_missing()) is not None:
+        pytest.skip(f"no code sandbox here: {why}")
+    args = ("--workers", "1", "--uid-base", str(uid_base), "--auth-token", token, "--log-level", "warning")
+    with service_process("services.code_executor", *args) as (url, _):
+        yield url

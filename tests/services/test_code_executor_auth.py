@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from services.scoring import LocalScorer
-from tests.helpers import ROOT, code_sandbox_missing, service_process
+from tests.helpers import ROOT, code_executor_with_token, service_process
 
 TOKEN = f"exec-{uuid.uuid4().hex}"
 ADDER = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -27,10 +27,7 @@ ITEM = {
 
 @pytest.fixture(scope="module")
 def executor():
-    if (why := code_sandbox_missing()) is not None:
-        pytest.skip(f"no code sandbox here: {why}")
-    args = ("--workers", "1", "--uid-base", "61700", "--auth-token", TOKEN, "--log-level", "warning")
-    with service_process("services.code_executor", *args) as (url, _):
+    with code_executor_with_token(TOKEN, uid_base=61700) as url:
         yield url
 
 

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import code_sandbox_missing, service_process
+from tests.helpers import code_executor_with_token
 from trainer.agent.code import CodeExecutorClient, CodeTool
 from trainer.agent.tools import CodeToolSpec
 from trainer.parallel.placement import _settled
@@ -22,10 +22,7 @@ TOKEN = f"exec-{uuid.uuid4().hex}"
 
 @pytest.fixture(scope="module")
 def executor():
-    if (why := code_sandbox_missing()) is not None:
-        pytest.skip(f"no code sandbox here: {why}")
-    args = ("--workers", "1", "--uid-base", "61800", "--auth-token", TOKEN, "--log-level", "warning")
-    with service_process("services.code_executor", *args) as (url, _):
+    with code_executor_with_token(TOKEN, uid_base=61800) as url:
         yield url
 
 
