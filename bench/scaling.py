@@ -7,10 +7,11 @@ for one or more model shapes, and A/B runs of the speed options, printed as one 
     python bench/scaling.py --gpus 1,2 --small --device cpu                 # CPU smoke run (gloo, tiny model)
 
 Each case is one `python -m trainer.main_ppo` run on a randomly initialised model of Qwen2.5-0.5B's (or
-1.5B's) shape, Qwen tokenizer, GSM8K train prompts, W x 64 prompts x n=8 responses of 256 tokens per step
-(a random model rarely stops early), GRPO with a KL loss against a reference model, one optimizer step
-per batch, rewards in-process: Ray ranks with FSDP2 (bf16 compute, fp32 master weights), packed
-micro-batches, and on every GPU the rollout engine next to the policy (rollout.name=builtin by default).
+1.5B's) shape, Qwen tokenizer, GSM8K train prompts, W x 64 prompts x n=8 responses of 256 tokens per step (a
+random model rarely stops early), a coin per response for reward (bench/coin_reward.py: real advantages, so
+the update is timed on real gradients), GRPO with a KL loss against a reference model, one optimizer step per
+batch, rewards in-process: Ray ranks with FSDP2 (bf16 compute, fp32 master weights), packed micro-batches, and
+on every GPU the rollout engine next to the policy (rollout.name=builtin by default).
 It reports the median over the steps after the first (the first is warm-up: compilation, CUDA graphs,
 Triton kernels; the median, as a later step can still compile once: a shorter last chunk of the
 log-prob head did, and the mean of two steps then read as a 1.7x slower update):
@@ -346,6 +347,8 @@ def run_command(args, case: Case, inputs: Inputs, run_dir: Path, extra: list[str
     prompts = args.prompts_per_gpu * case.world
     tools = case.variant.tools
     search = [f"services.retrieval_url={inputs.retrieval_url}"] if tools == "search" else []
+    # a random model scores 0 on GSM8K: a coin per response gives real advantages (bench/coin_reward.py)
+    coin = [] if tools == "search" else [f"custom_reward_function.path={ROOT / 'bench' / 'coin_reward.py'}"]
     return [
         sys.executable,
         "-m",
@@ -381,6 +384,7 @@ def run_command(args, case: Case, inputs: Inputs, run_dir: Path, extra: list[str
         "trainer.resume_mode=disable",
         *case.variant.overrides,
         *search,
+        *coin,
         *extra,
     ]
 

