@@ -244,7 +244,7 @@ def load_role_state(
     """Read a role's directory into `model` (any sharding), and the optimizer and LR schedule ("extra")
     when `contents` names them, in place. What is not read starts fresh (AdamW's zero moments, step 0)."""
     directory = Path(directory)
-    if not has_role_weights(directory):
+    if not has_sharded_checkpoint(directory):
         raise CheckpointError(f"{str(directory)!r} holds no role weights (no {DCP_METADATA_FILE})")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
@@ -258,11 +258,10 @@ def load_role_state(
             f"{str(directory)!r} does not match the model it is loaded into: {detail}"
         ) from exc
     if scheduler is not None and "extra" in contents:
-        _load_optional(directory / SCHEDULER_FILE, scheduler, f"{directory.name} scheduler")
-
-
-def has_role_weights(directory: Path) -> bool:
-    return has_sharded_checkpoint(Path(directory))
+        file = directory / SCHEDULER_FILE
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint has no {directory.name} scheduler state ({file} missing)")
+        scheduler.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
 
 
 def load_role_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -290,12 +289,9 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def save_hf_metadata(directory: Path, model: nn.Module, tokenizer: Any | None) -> None:
-    """Save what rebuilds `model` as a Hugging Face model: config.json, generation_config.json, tokenizer.
-
-    Called for every role that carries a transformers config (into `<role>/huggingface/`); callers with
-    their own layout may call it directly. Models without an HF config (e.g. a bare value head) are
-    skipped. Weights are not written here.
-    """
+    """Save what rebuilds `model` as a Hugging Face model (into `<role>/huggingface/`): config.json,
+    generation_config.json, tokenizer. Models without an HF config (e.g. a bare value head) are skipped.
+    Weights are not written here."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return
@@ -345,12 +341,9 @@ def _write_latest(root: Path, step: int) -> None:
     _fsync_dir(root)
 
 
-def prune_checkpoints(root: Path, keep_last: int | None, *, protect: Path | None = None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond `keep_last` and leftovers of crashed saves.
-
-    `protect` (the checkpoint just written) is never deleted. Returns the deleted checkpoint dirs.
-    """
-    root = Path(root)
+def prune_checkpoints(root: Path, keep_last: int | None, *, protect: Path) -> None:
+    """Delete the oldest complete checkpoints beyond `keep_last` (never `protect`, the checkpoint just
+    written) and leftovers of crashed saves."""
     for leftover in root.glob(".tmp-global_step_*"):
         shutil.rmtree(leftover, ignore_errors=True)
     for leftover in root.glob(".trash-*"):
@@ -358,19 +351,15 @@ def prune_checkpoints(root: Path, keep_last: int | None, *, protect: Path | None
     for leftover in root.glob(f".{LATEST_FILE}.*"):  # _write_latest's temp file, left by a kill
         leftover.unlink(missing_ok=True)
     if not keep_last or keep_last <= 0:
-        return []
+        return
     complete = [path for _, path in list_checkpoints(root)]
-    doomed = [
-        path
-        for path in complete[: max(len(complete) - keep_last, 0)]
-        if protect is None or path.resolve() != Path(protect).resolve()
-    ]
-    for path in doomed:
+    for path in complete[: max(len(complete) - keep_last, 0)]:
+        if path.resolve() == protect.resolve():
+            continue
         # rename first: a half-deleted directory must never look like a checkpoint
         trash = root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
-    return doomed
 
 
 def _write_json(path: Path, record: dict) -> None:
@@ -485,7 +474,6 @@ def load_checkpoint(
     path: Path,
     *,
     roles: Mapping[str, RoleState],
-    restore_rng: bool = True,
     contents: Mapping[str, Sequence[str]] | None = None,
 ) -> TrainState:
     """Load every role's state (and the driver's RNG streams) in place; returns the TrainState.
@@ -497,7 +485,7 @@ def load_checkpoint(
     record = _read_state_record(path)
     wanted = {}
     for name in roles:
-        if not has_role_weights(path / name):
+        if not has_sharded_checkpoint(path / name):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} has no weights for role {name!r} "
                 f"(roles saved: {sorted(record.get('roles', []))})"
@@ -514,17 +502,8 @@ def load_checkpoint(
         wanted[name] = asked
     for name, role in roles.items():
         role.load(str(path / name), wanted[name])
-    if restore_rng:
-        restore_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+    restore_rng_state(torch.load(path / RNG_FILE, weights_only=True))
     return state
-
-
-def _load_optional(file: Path, target: Any, what: str) -> None:
-    if target is None:
-        return
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint has no {what} state ({file} missing)")
-    target.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
 
 
 def _read_state_record(path: Path) -> dict:

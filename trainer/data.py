@@ -57,8 +57,7 @@ class PromptBatch:
 
 def truncate_ids(ids: list[int], max_length: int, side: Truncation) -> list[int]:
     """verl's truncation: left keeps the end, right the start, middle both ends (the start gets the floor
-    half).
-    """
+    half)."""
     if len(ids) <= max_length:
         return ids
     if side == "left":
@@ -178,17 +177,10 @@ class PromptSource(Protocol):
 
 
 def total_steps(train_size: int, batch_size: int, total_epochs: int, total_training_steps: int | None) -> int:
-    """Training steps of a run: the explicit count if given, else the whole batches in `total_epochs`
-    epochs.
-    """
+    """Steps of a run: the explicit count if given, else the whole batches in `total_epochs` epochs."""
     if total_training_steps is not None:
         return total_training_steps
     return max(1, train_size * total_epochs // batch_size)
-
-
-def cursor_epoch(cursor: str | None) -> int:
-    """Epoch of the next prompt, read from an `epoch.offset.fingerprint` cursor."""
-    return int(cursor.split(".", 1)[0]) if cursor else 0
 
 
 # ---------------------------------------------------------------------------------------- data-server
@@ -233,7 +225,7 @@ class ServerPromptSource:
 
     @property
     def epoch(self) -> int:
-        return cursor_epoch(self._cursor)
+        return int(self._cursor.split(".", 1)[0]) if self._cursor else 0  # `epoch.offset.fingerprint`
 
     def state(self) -> str | None:
         return self._cursor
@@ -259,19 +251,17 @@ class ServerPromptSource:
             skipped += sum(r is None for r in encoded)
             if skipped >= response.dataset_size:
                 raise PromptTooLongError(
-                    f"data.filter_overlong_prompts dropped {skipped} prompts of "
-                    f"{self.dataset}/{self.train_split} "
-                    f"({response.dataset_size} items) while filling one batch of {batch_size}: too "
-                    "few prompts fit "
-                    f"data.max_prompt_length={self.encoder.max_prompt_length}"
+                    f"data.filter_overlong_prompts dropped {skipped} prompts of {self.dataset}/"
+                    f"{self.train_split} ({response.dataset_size} items) while filling one batch of "
+                    f"{batch_size}: too few prompts fit data.max_prompt_length="
+                    f"{self.encoder.max_prompt_length}"
                 )
         self._cursor = cursor
         return PromptBatch(records, cursor, first_epoch or 0, skipped)
 
     async def validation_batches(self, batch_size: int | None = None) -> AsyncIterator[PromptBatch]:
         """The whole validation split once, in the server's fixed order (overlong prompts dropped if
-        filtering).
-        """
+        filtering)."""
         if not self.val_split or not self.val_size:
             return
         cursor, remaining = None, self.val_size
@@ -347,13 +337,11 @@ class FilePromptSource:
         lengths = [len(ids) for ids in self.encoder.full_ids(rows)]
         limit = self.encoder.max_prompt_length
         overlong = [row["uid"] for row, length in zip(rows, lengths) if length > limit]
-        if overlong and not self.encoder.filter_overlong and self.encoder.truncation == "error":
+        if overlong and not self.encoder.filter_overlong:  # so truncation=error
             raise PromptTooLongError(
-                f"{key}: {len(overlong)} of {len(rows)} prompts are longer than "
-                f"data.max_prompt_length={limit} "
-                f"(first: {overlong[0]}, {max(lengths)} tokens at most); set "
-                "data.filter_overlong_prompts=True "
-                "or data.truncation=left|right|middle"
+                f"{key}: {len(overlong)} of {len(rows)} prompts are longer than data.max_prompt_length="
+                f"{limit} (first: {overlong[0]}, {max(lengths)} tokens at most); set "
+                "data.filter_overlong_prompts=True or data.truncation=left|right|middle"
             )
         if self.encoder.filter_overlong:
             rows = [row for row, length in zip(rows, lengths) if length <= limit]

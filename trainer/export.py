@@ -24,11 +24,11 @@ import torch
 from trainer.checkpoint import (
     HF_METADATA_DIR,
     CheckpointError,
-    has_role_weights,
     is_complete,
     latest_checkpoint,
     load_role_weights,
 )
+from trainer.parallel.fsdp import has_sharded_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # written by save_pretrained from the rebuilt model; the checkpoint's own copies are used instead
@@ -58,12 +58,12 @@ def export_hf(
 
     role_dir = resolve_checkpoint(checkpoint) / role
     hf_dir = role_dir / HF_METADATA_DIR
-    if not has_role_weights(role_dir):
+    if not has_sharded_checkpoint(role_dir):
         raise CheckpointError(f"no {role!r} weights in {str(role_dir.parent)!r}")
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(
             f"{str(hf_dir)!r} has no config.json: save the checkpoint with the model's HF "
-            "config and tokenizer (save_checkpoint(..., tokenizer=...) / save_hf_metadata)"
+            "config and tokenizer (LocalRole(..., tokenizer=...): save_hf_metadata)"
         )
     config = AutoConfig.from_pretrained(hf_dir)
     state_dict = load_role_weights(role_dir)
@@ -115,8 +115,6 @@ def _check_tied(model: torch.nn.Module, config) -> None:
 
 def _target_dtype(dtype: str, config, state_dict: dict) -> torch.dtype | None:
     if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
     fields = config.to_dict()  # "dtype" in transformers 5, "torch_dtype" before (reading the attribute warns)
     recorded = fields.get("dtype") or fields.get("torch_dtype")

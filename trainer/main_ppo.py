@@ -58,11 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.model import ModelUnavailable
     from trainer.rewards import RewardErrors
 
-    stops = (loop.TrainingAborted, ServiceError, PromptTooLongError, CheckpointWriteError, RewardErrors)
-    stops += (CheckpointError,)  # a resume from a checkpoint that is missing or does not fit the run
+    stops = (loop.TrainingAborted, ServiceError, PromptTooLongError, CheckpointWriteError, CheckpointError)
     try:
         loop.fit(config)
-    except (*stops, ModelUnavailable) as exc:
+    except (*stops, RewardErrors, ModelUnavailable) as exc:
         # A service that never became healthy or stayed down, a checkpoint folder that turned unwritable,
         # rewards that could not be computed, a model not on disk offline, a checkpoint that cannot be
         # resumed: one line, no traceback.

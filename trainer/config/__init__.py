@@ -6,6 +6,7 @@
 One module per job:
     schema.py, run.py  the typed sections (pydantic): every key that does something, its default and bounds
     accepted.py        verl keys accepted with no effect here (reported once at start, not typed)
+    keys.py            the schema's key tree: which dotted keys exist, the closest one to a typo
     cli.py             YAML files and Hydra overrides through OmegaConf -> a validated Config
     derive.py          `null: <rule>` defaults made concrete (per-GPU micro-batches, the critic's sizes)
     checks.py          what stops a run before any work (batch sizes, paths, world size), start notices

@@ -214,10 +214,6 @@ def critic_batch_problems(config: Config, reported: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------------------- paths
 
 
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../", "~")) or path in (".", "..")
-
-
 def model_path_problem(key: str, path: str) -> str | None:
     """None when `path` is an existing model folder or .gguf file, or has the shape of a hub id
     (`org/name`, or `org/name/file.gguf` for a GGUF file in a hub repo); else what is wrong."""
@@ -229,7 +225,8 @@ def model_path_problem(key: str, path: str) -> str | None:
     if local.is_file():
         return None if local.suffix == ".gguf" else f"{key}: {path} is a file but not a .gguf file"
     hub_shaped = path.count("/") >= 2 if path.endswith(".gguf") else path.count("/") <= 1
-    if path and hub_shaped and not _looks_local(path):
+    looks_local = path.startswith(("/", "./", "../", "~")) or path in (".", "..")
+    if path and hub_shaped and not looks_local:
         return None
     return (
         f"{key}: {path} does not exist (give a local folder, a .gguf file or a hub id like "
@@ -333,33 +330,29 @@ def algorithm_problems(config: Config) -> list[str]:
 
 def tool_config_notices(config: Config) -> list[str]:
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return []
     lines = []
     retries_default = type(multi_turn).model_fields["tool_failure_retries"].default
-    retries_unused = multi_turn.tool_failure != "retry" and multi_turn.tool_failure_retries != retries_default
-    if multi_turn.enable and retries_unused:
+    if multi_turn.tool_failure != "retry" and multi_turn.tool_failure_retries != retries_default:
         lines.append(
             f"no effect: actor_rollout_ref.rollout.multi_turn.tool_failure_retries="
             f"{multi_turn.tool_failure_retries} (tool_failure={multi_turn.tool_failure}, not retry)"
         )
-    return lines + tool_file_notices(multi_turn)
-
-
-def tool_file_notices(multi_turn) -> list[str]:
-    if not (multi_turn.enable and multi_turn.tool_config_path):
-        return []
+    if not multi_turn.tool_config_path:
+        return lines
     from trainer.agent.tools import load_tool_config
 
     try:
         tools = load_tool_config(multi_turn.tool_config_path)
     except ValueError:
-        return []  # a problem, reported by multi_turn_problems
-    if not tools.no_effect:
-        return []
-    keys = ", ".join(tools.no_effect)
-    return [
-        f"accepted, no effect here: {keys} of {multi_turn.tool_config_path} (the loop batches searches "
-        "and runs calls concurrently itself)"
-    ]
+        return lines  # a problem, reported by multi_turn_problems
+    if tools.no_effect:
+        lines.append(
+            f"accepted, no effect here: {', '.join(tools.no_effect)} of {multi_turn.tool_config_path} (the "
+            "loop batches searches and runs calls concurrently itself)"
+        )
+    return lines
 
 
 def multi_turn_problems(config: Config) -> list[str]:

@@ -202,7 +202,7 @@ def _typed_value(override: Override, text: str, key: str) -> Any:
     value = override.value()
     if isinstance(value, (bool, int, float)):
         found = keys.field_at(key.split("."))
-        if found is not None and not found[1] and keys.is_text(found[0]):
+        if found is not None and not found[1] and found[0] in (str, str | None):
             return text.partition("=")[2].strip()
     return value
 
@@ -264,11 +264,6 @@ def _validation_messages(exc: ValidationError) -> list[str]:
     return messages
 
 
-def defaults_tree() -> dict:
-    """Every default as a plain tree, `null: <rule>` values still null: what `${...}` can point at."""
-    return Config().model_dump(mode="json")  # derive.fill_derived has not run on it
-
-
 def overlay(base: dict, extra: dict) -> dict:
     """`extra` over `base`: maps merge key by key, anything else is replaced (a list is not merged)."""
     merged = dict(base)
@@ -296,7 +291,8 @@ def load_config(argv: list[str], *, check: bool = True) -> Config:
     and with check=True what stops a run (trainer/config/checks.py).
     """
     files, overrides = split_argv(argv)
-    defaults = defaults_tree()
+    # every default, `null: <rule>` values still null (not derived yet): what `${...}` can point at
+    defaults = Config().model_dump(mode="json")
     merged: dict = {}
     problems = []
     for file in files:

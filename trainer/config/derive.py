@@ -18,17 +18,6 @@ from pydantic import BaseModel
 from trainer.config.run import Config
 from trainer.config.schema import Section
 
-# What generates for each rollout.name (trainer/rollout/manager.py `build_rollout` builds it): auto (and
-# vllm, which is not wired in yet: trainer/config/checks.py says so at start) pick the built-in engine on
-# every device, so one engine generates at every scale; hf (transformers generate) when asked for. Either
-# runs on each policy rank on its own copy of the weights, as a replica behind the rollout manager.
-ENGINE_USED = {"hf": "hf", "builtin": "builtin", "sglang": "sglang"}
-
-
-def engine_used(name: str) -> str:
-    """The engine that generates for rollout.name."""
-    return ENGINE_USED.get(name, "builtin")
-
 
 def fast_bf16_cpu() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), read without torch. Without it
@@ -47,15 +36,11 @@ def gpu_present() -> bool:
     return not hidden and os.path.exists("/dev/nvidiactl")
 
 
-def on_cpu(config: Config) -> bool:
-    """The run trains on the CPU: asked for, or trainer.device=auto where no GPU is seen."""
-    device = config.trainer.device
-    return device == "cpu" or (device == "auto" and not gpu_present())
-
-
 def slow_bf16(config: Config) -> bool:
     """trainer.mixed_precision=bf16 asked for on a CPU without bf16 hardware: the run uses fp32 instead."""
-    return config.trainer.mixed_precision == "bf16" and on_cpu(config) and not fast_bf16_cpu()
+    device = config.trainer.device
+    on_cpu = device == "cpu" or (device == "auto" and not gpu_present())
+    return config.trainer.mixed_precision == "bf16" and on_cpu and not fast_bf16_cpu()
 
 
 def per_gpu(global_size: int | None, world: int) -> int | None:
@@ -168,7 +153,9 @@ def fill_derived(config: Config) -> None:
     data.gen_batch_size = data.gen_batch_size or data.train_batch_size
     rollout.prompt_length = rollout.prompt_length or data.max_prompt_length
     rollout.response_length = rollout.response_length or data.max_response_length
-    rollout.engine = engine_used(rollout.name)
+    # what generates (trainer/rollout/manager.py `build_rollout`): auto and vllm (not wired in yet: checks.py
+    # says so at start) pick the built-in engine on every device, so one engine generates at every scale
+    rollout.engine = rollout.name if rollout.name in ("hf", "builtin", "sglang") else "builtin"
     if rollout.multi_turn.enable and rollout.engine == "hf":
         # the agent loop's turns reach the engine one by one, as their tool calls return: the built-in
         # engine batches them continuously, where hf runs one generate call per handful arriving together

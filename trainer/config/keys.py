@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import types
 import typing
 from typing import Any
 
@@ -21,25 +20,6 @@ def section_type(annotation: Any) -> type[Section] | None:
 def is_open_mapping(annotation: Any) -> bool:
     """dict-typed fields (apply_chat_template_kwargs) take any keys."""
     return typing.get_origin(annotation) is dict
-
-
-def unwrap_optional(annotation: Any) -> Any:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return annotation
-
-
-def is_nullable(annotation: Any) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
-        annotation
-    )
-
-
-def is_text(annotation: Any) -> bool:
-    """A plain-text field, where a value that looks like a number stays the text it was (`007`)."""
-    return unwrap_optional(annotation) is str
 
 
 def config_keys(model: type[Section] = Config, prefix: str = "") -> list[str]:
@@ -142,5 +122,5 @@ def nulls_from_none_text(tree: dict, model: type[Section] = Config) -> None:
         sub = section_type(field.annotation)
         if sub is not None and isinstance(value, dict):
             nulls_from_none_text(value, sub)
-        elif value == "None" and is_nullable(field.annotation):
+        elif value == "None" and type(None) in typing.get_args(field.annotation):  # `x | None`
             tree[key] = None

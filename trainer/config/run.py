@@ -211,13 +211,12 @@ class Config(Section):
     def no_effect_keys(self) -> list[str]:
         return list(self._no_effect)
 
-    def to_dict(self, *, mask_secrets: bool = True) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         tree = self.model_dump(mode="json")
-        if mask_secrets:
-            for key in SECRET_KEYS:
-                section, _, leaf = key.rpartition(".")
-                if tree[section][leaf] is not None:
-                    tree[section][leaf] = "***"
+        for key in SECRET_KEYS:
+            section, _, leaf = key.rpartition(".")
+            if tree[section][leaf] is not None:
+                tree[section][leaf] = "***"
         return tree
 
     def resolved_yaml(self) -> str:
