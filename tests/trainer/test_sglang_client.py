@@ -1,8 +1,7 @@
 """HttpReplica against servers that answer as SGLang 0.5.23 does where it differs from ours, each a real
 FastAPI app on a loopback port (SGLang itself cannot run here). The answers follow
 srt/entrypoints/http_server.py: /server_info is the server args (no `engine` key; sampling seeds need
-enable_deterministic_inference), /model_info carries weight_version, and there is no
-/get_weight_version; an older release's /model_info had no weight_version but that route."""
+enable_deterministic_inference)."""
 
 from __future__ import annotations
 
@@ -13,16 +12,14 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from tests.helpers import free_port
-from trainer.rollout.client import HttpReplica, RolloutRequestError
+from trainer.rollout.client import HttpReplica
 
 
-def sglang_like_app(calls: Counter, *, deterministic: bool, weight_version_in_model_info: bool) -> FastAPI:
+def sglang_like_app(calls: Counter, *, deterministic: bool) -> FastAPI:
     app = FastAPI()
 
     @app.middleware("http")
@@ -34,24 +31,9 @@ def sglang_like_app(calls: Counter, *, deterministic: bool, weight_version_in_mo
     async def server_info() -> dict:
         return {"version": "0.5.23", "tp_size": 1, "enable_deterministic_inference": deterministic}
 
-    @app.get("/get_model_info")
-    async def model_info() -> dict:
-        info = {"model_path": "/m", "is_generation": True}
-        return {**info, "weight_version": "w-7"} if weight_version_in_model_info else info
-
-    @app.get("/get_weight_version")
-    async def weight_version():
-        if weight_version_in_model_info:  # 0.5.23 has no such route
-            return JSONResponse({"detail": "Not Found"}, status_code=404)
-        return {"weight_version": "old-3"}
-
     @app.post("/generate")
     async def generate(body: dict) -> dict:
         return {"text": "", "output_ids": [1], "meta_info": {"id": "r", "finish_reason": {"type": "length"}}}
-
-    @app.post("/update_weights_from_tensor")
-    async def from_tensor() -> dict:
-        return {"success": True, "message": "would have been a CUDA-IPC load"}
 
     return app
 
@@ -68,10 +50,10 @@ def serve(app: FastAPI):
     return f"http://127.0.0.1:{port}", server, thread
 
 
-@pytest.fixture(params=[True, False], ids=["sglang-0.5.23", "older-sglang"])
+@pytest.fixture(params=[True, False], ids=["deterministic", "nondeterministic"])
 def sglang_like(request):
     calls = Counter()
-    app = sglang_like_app(calls, deterministic=request.param, weight_version_in_model_info=request.param)
+    app = sglang_like_app(calls, deterministic=request.param)
     url, server, thread = serve(app)
     yield url, calls, request.param
     server.should_exit = True
@@ -87,24 +69,6 @@ def run(coro_fn, url):
             await replica.close()
 
     return asyncio.run(go())
-
-
-def test_tensor_updates_are_refused_before_sending_to_sglang(sglang_like):
-    url, calls, _ = sglang_like
-
-    async def update(replica):
-        await replica.update_weights_from_tensor({"w": torch.zeros(2)})
-
-    with pytest.raises(RolloutRequestError, match="update_weights_from_disk") as caught:
-        run(update, url)
-    assert "only the built-in rollout server" in str(caught.value)
-    assert calls["/update_weights_from_tensor"] == 0  # refused here, nothing sent
-
-
-def test_weight_version_from_model_info_else_the_old_route(sglang_like):
-    url, calls, new = sglang_like
-    assert run(lambda replica: replica.get_weight_version(), url) == ("w-7" if new else "old-3")
-    assert calls["/get_weight_version"] == (0 if new else 1)
 
 
 def test_seeds_without_deterministic_inference_warn_once(sglang_like, caplog):

@@ -10,19 +10,17 @@ because the replica pool acts on the difference:
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import httpx
 
 from trainer.rollout.base import Rollout, derived_seed
-from trainer.rollout.protocol import SAFETENSORS_FORMAT, rollouts_from_outputs
+from trainer.rollout.protocol import rollouts_from_outputs
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
-BUILTIN_ENGINE = "builtin"  # /get_server_info's `engine` on our server; SGLang has no such key
 # sampling_params.sampling_seed arrived in sgl-project/sglang#10678 (merged 2025-09-20), first released in
 # 0.5.3; older servers build SamplingParams(**sampling_params) and answer 400 for the unknown key
 SEED_SINCE = (0, 5, 3)
@@ -72,19 +70,6 @@ def error_message(response: httpx.Response) -> str:
     return response.text[:500]
 
 
-def host_tensors(named_tensors: Mapping) -> dict:
-    """Contiguous CPU copies for safetensors, each storage once: tied weights (lm_head = embed_tokens)
-    keep their first name only, and the receiving engine ties them again."""
-    seen, out = set(), {}
-    for name, tensor in named_tensors.items():
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor.detach().contiguous().cpu()
-    return out
-
-
 class HttpReplica:
     def __init__(
         self, url: str, *, timeout_s: float = 3600.0, token: str | None = None, name: str | None = None
@@ -92,7 +77,7 @@ class HttpReplica:
         """timeout_s bounds one call; a /generate of long responses can take minutes."""
         self.url = url.rstrip("/")
         self.name = name or self.url
-        self._info: dict | None = None  # /get_server_info, asked once
+        self._info: dict | None = None  # /get_server_info as the server started, asked once
         self._warned_nondeterministic = False
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(
@@ -138,21 +123,14 @@ class HttpReplica:
         outputs = await asyncio.gather(*(self.generate(single) for single in singles))
         return rollouts_from_outputs(payload["input_ids"], prompt_index, [o for out in outputs for o in out])
 
-    async def startup_info(self) -> dict:
-        """/get_server_info as the server started (asked once: version, engine, server args)."""
-        if self._info is None:
-            self._info = await self.server_info()
-        return self._info
-
-    async def is_builtin(self) -> bool:
-        return (await self.startup_info()).get("engine") == BUILTIN_ENGINE
-
     async def check_seed_support(self) -> None:
         """Refuse, naming the versions, a seeded request to an SGLang older than sampling_seed: it would
         answer 400 for the unknown key (or, behind a lenient proxy, sample unseeded). Warn once when the
         server says it runs without --enable-deterministic-inference: SGLang then ignores sampling_seed
         (sampling_batch_info.py builds the seeds only in that mode), so samples are random, not seeded."""
-        info = await self.startup_info()
+        if self._info is None:
+            self._info = await self.server_info()
+        info = self._info
         version = info.get("version")
         if version is not None and _older(version, SEED_SINCE):
             raise RolloutRequestError(
@@ -168,43 +146,11 @@ class HttpReplica:
                 self.url,
             )
 
-    async def get_weight_version(self) -> str | None:
-        """/get_model_info's `weight_version` (SGLang 0.5.23 serves no /get_weight_version); a server whose
-        model info lacks the key is an older release: its /get_weight_version."""
-        info = await self.model_info()
-        if "weight_version" in info:
-            return info["weight_version"]
-        return (await self._call("GET", "/get_weight_version")).json()["weight_version"]
-
     async def update_weights_from_disk(
         self, model_path: str, *, load_format: str | None = None, weight_version: str | None = None
     ) -> None:
         payload = {"model_path": model_path, "load_format": load_format, "weight_version": weight_version}
         await self._checked("/update_weights_from_disk", payload)
-
-    async def update_weights_from_tensor(
-        self, named_tensors: Mapping, *, weight_version: str | None = None
-    ) -> None:
-        """The built-in server's form of the route: one base64 safetensors payload (see protocol.py).
-        SGLang takes CUDA-IPC handles per TP rank there, not safetensors, so for an SGLang server this
-        refuses before sending: update it from disk (update_weights_from_disk, a folder both can read) or
-        over a distributed group (SGLang's /update_weights_from_distributed)."""
-        from safetensors.torch import save
-
-        if not await self.is_builtin():
-            raise RolloutRequestError(
-                f"{self.url}: update_weights_from_tensor sends safetensors, which only the built-in "
-                "rollout server reads (SGLang expects CUDA-IPC handles); use update_weights_from_disk "
-                "with a checkpoint folder the server can read, or /update_weights_from_distributed",
-                400,
-            )
-
-        payload = {
-            "serialized_named_tensors": [base64.b64encode(save(host_tensors(named_tensors))).decode()],
-            "load_format": SAFETENSORS_FORMAT,
-            "weight_version": weight_version,
-        }
-        await self._checked("/update_weights_from_tensor", payload)
 
     async def _checked(self, path: str, payload: dict) -> None:
         body = (await self._call("POST", path, payload)).json()
@@ -216,9 +162,6 @@ class HttpReplica:
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         await self._call("POST", "/resume_memory_occupation", {"tags": list(tags) if tags else None})
-
-    async def model_info(self) -> dict:
-        return (await self._call("GET", "/get_model_info")).json()
 
     async def server_info(self) -> dict:
         return (await self._call("GET", "/get_server_info")).json()

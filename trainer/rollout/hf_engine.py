@@ -23,10 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from trainer.model import autocast
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.rollout.builtin import default_eos_ids
 from trainer.rollout.builtin.sampler import needs_floor, sampling_floors, token_seeds, torch_sample
@@ -58,11 +57,6 @@ def shared_prefixes(rows: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[int
     return unique, torch.tensor(expand, dtype=torch.long)
 
 
-def positions_from_mask(attention_mask: Tensor) -> Tensor:
-    """Position ids that count only real tokens (0 on the left padding)."""
-    return (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-
-
 def row_base_seeds(prompt_seeds: Sequence[int | None], n: int) -> np.ndarray:
     """The base seed of every row (n samples per prompt, consecutive), as the built-in engine derives
     them: sample j of a prompt seeded s draws from token_seeds(s, -1 - j); an unseeded prompt's samples
@@ -84,7 +78,6 @@ class HFRolloutEngine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        autocast_dtype: torch.dtype | None = None,
         max_batch_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
@@ -92,7 +85,6 @@ class HFRolloutEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.autocast_dtype = autocast_dtype
         self.max_batch_size = max_batch_size
         self.eos_token_ids = (
             tuple(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model, tokenizer)
@@ -142,14 +134,13 @@ class HFRolloutEngine:
         kwargs = {self._cache_kwarg: cache}
         if self._keeps_last_logits:
             kwargs["logits_to_keep"] = 1
-        with autocast(self.device, self.autocast_dtype):
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                **kwargs,
-            )
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **kwargs,
+        )
         return output.logits[:, -1].float()
 
     @torch.no_grad()
@@ -161,7 +152,7 @@ class HFRolloutEngine:
         # and copy its KV cache to its samples, instead of n identical prefills.
         unique, expand = shared_prefixes(rows)
         input_ids, attention_mask = left_pad([rows[i][1] for i in unique], self.pad_id, device)
-        position_ids = positions_from_mask(attention_mask)
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # real tokens only, 0 on the padding
         eos = () if sampling.ignore_eos else self.eos_token_ids
         stop_ids = torch.tensor(
             sorted(set(eos) | set(sampling.stop_token_ids)), dtype=torch.long, device=device
@@ -246,11 +237,6 @@ class HFRolloutEngine:
             )
         return rollouts
 
-    def release_memory(self) -> None:
-        """The KV cache lives only inside generate(); hand the CUDA allocator's free blocks back."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
 
 class HFReplica:
     """An HFRolloutEngine as a replica of the rollout manager (a policy rank's `hf` engine).
@@ -308,11 +294,20 @@ class HFReplica:
                     mine = [r for r in rollouts if r.prompt_index == index]
                     future.done() or future.set_result(mine)
 
-    def load_weights_now(self, named_tensors) -> None:
-        copy_named_tensors(self.engine.model, named_tensors)
+    def load_weights_now(self, named_tensors: dict[str, Tensor]) -> None:
+        """Copy some of the model's tensors in place, by state-dict name (a partial load_state_dict)."""
+        state = self.engine.model.state_dict(keep_vars=True)
+        unknown = sorted(set(named_tensors) - set(state))
+        if unknown:
+            raise KeyError(f"the engine's model has no tensors named {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in named_tensors.items():
+                state[name].copy_(tensor)
 
     async def release_memory_occupation(self, tags=None) -> None:
-        self.engine.release_memory()
+        """The KV cache lives only inside generate(); hand the CUDA allocator's free blocks back."""
+        if self.engine.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     async def resume_memory_occupation(self, tags=None) -> None:
         """Nothing was released that generate() does not rebuild."""
@@ -322,14 +317,3 @@ class HFReplica:
 
     async def close(self) -> None:
         """Nothing to stop (the engine owns no thread, process or server)."""
-
-
-def copy_named_tensors(model: nn.Module, named: dict[str, Tensor]) -> None:
-    """Copy some of a model's tensors in place, by state-dict name (a partial load_state_dict)."""
-    state = model.state_dict(keep_vars=True)
-    unknown = sorted(set(named) - set(state))
-    if unknown:
-        raise KeyError(f"the engine's model has no tensors named {unknown[:5]}")
-    with torch.no_grad():
-        for name, tensor in named.items():
-            state[name].copy_(tensor)

@@ -3,10 +3,10 @@ wait until each answers /health; stop them on exit.
 
 `rollout.name=sglang` uses this when no server URLs are given. Flags are SGLang 0.5.23's
 (sglang/srt/arg_groups/fields/: --model-path, --tp-size, --mem-fraction-static, --enable-memory-saver,
---random-seed, --api-key, --dtype, --host, --port, --enable-deterministic-inference). --enable-memory-saver
-is what makes /release_memory_occupation work for a colocated trainer; --enable-deterministic-inference is
-what makes SGLang honour a request's sampling_seed (sampling_batch_info.py reads the seeds only in that
-mode), and the fit loop seeds every sample (trainer.seed).
+--dtype, --host, --port, --enable-deterministic-inference). --enable-memory-saver is what makes
+/release_memory_occupation work for a colocated trainer; --enable-deterministic-inference is what makes
+SGLang honour a request's sampling_seed (sampling_batch_info.py reads the seeds only in that mode), and
+the fit loop seeds every sample (trainer.seed).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 import httpx
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
@@ -35,32 +35,21 @@ def sglang_command(
     model_path: str,
     *,
     port: int,
-    host: str = "127.0.0.1",
     tp_size: int = 1,
-    dtype: str = "bfloat16",
     mem_fraction_static: float | None = None,
-    seed: int | None = None,
-    api_key: str | None = None,
-    enable_memory_saver: bool = True,
     deterministic_inference: bool = False,
     trust_remote_code: bool = False,
     tokenizer_path: str | None = None,
     extra_args: Sequence[str] = (),
-    python: str = sys.executable,
 ) -> list[str]:
     """deterministic_inference: seeded sampling (batch-invariant kernels, at some cost in throughput).
     trust_remote_code: the model's own code may run (model.trust_remote_code). tokenizer_path: a tokenizer
     other than the model's (data.tokenizer: the one the driver tokenizes prompts with)."""
-    argv = [python, "-m", "sglang.launch_server", "--model-path", model_path]
-    argv += ["--host", host, "--port", str(port), "--tp-size", str(tp_size), "--dtype", dtype]
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size), "--dtype", "bfloat16"]
     if mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(mem_fraction_static)]
-    if seed is not None:
-        argv += ["--random-seed", str(seed)]
-    if api_key:
-        argv += ["--api-key", api_key]
-    if enable_memory_saver:
-        argv.append("--enable-memory-saver")
+    argv.append("--enable-memory-saver")
     if deterministic_inference:
         argv.append("--enable-deterministic-inference")
     if trust_remote_code:
@@ -85,25 +74,24 @@ class ServerProcess:
     log_path: Path | None = None
     process: subprocess.Popen | None = None
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log_tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():
             return ""
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return self.log_path.read_text(errors="replace")[-3000:]
 
 
 class RolloutServers:
     """A set of rollout server processes (a context manager: started on enter, stopped on exit)."""
 
-    def __init__(self, servers: Sequence[ServerProcess], log_dir: str | None = None) -> None:
+    def __init__(self, servers: Sequence[ServerProcess]) -> None:
         self.servers = list(servers)
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rollout-servers-"))
+        self.log_dir = Path(tempfile.mkdtemp(prefix="rollout-servers-"))
 
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
     def start(self, timeout_s: float = 900.0) -> RolloutServers:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for index, server in enumerate(self.servers):
                 server.log_path = self.log_dir / f"server-{index}.log"
@@ -163,18 +151,13 @@ class RolloutServers:
 
 
 def sglang_servers(
-    model_path: str,
-    gpus: Sequence[str],
-    *,
-    tp_size: int = 1,
-    host: str = "127.0.0.1",
-    port_base: int | None = None,
-    **command_kwargs,
+    model_path: str, gpus: Sequence[str], *, tp_size: int = 1, **command_kwargs
 ) -> RolloutServers:
-    """One SGLang server per tensor-parallel group of `gpus` (not started: use `with` or .start())."""
+    """One SGLang server per tensor-parallel group of `gpus`, on loopback (not started: use `with` or
+    .start())."""
     servers = []
-    for index, visible in enumerate(gpu_groups(gpus, tp_size)):
-        port = port_base + index if port_base is not None else free_port(host)
-        argv = sglang_command(model_path, port=port, host=host, tp_size=tp_size, **command_kwargs)
-        servers.append(ServerProcess(argv, f"http://{host}:{port}", {"CUDA_VISIBLE_DEVICES": visible}))
+    for visible in gpu_groups(gpus, tp_size):
+        port = free_port()
+        argv = sglang_command(model_path, port=port, tp_size=tp_size, **command_kwargs)
+        servers.append(ServerProcess(argv, f"http://127.0.0.1:{port}", {"CUDA_VISIBLE_DEVICES": visible}))
     return RolloutServers(servers)

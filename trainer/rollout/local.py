@@ -139,7 +139,7 @@ class LocalReplica:
             text=self._text(item, sample),
             output_ids=sample.token_ids,
             logprobs=logprobs,
-            finish=self._finish(sample),
+            finish=finish_reason(sample.finish_reason, sample.matched),
             prompt_tokens=sample.prompt_tokens,
             weight_version=self.weight_version,
             e2e_latency=latency,
@@ -147,10 +147,6 @@ class LocalReplica:
             input_logprobs=input_entries,
             prompt_token_ids=list(item.prompt) if with_prompt_ids else None,
         )
-
-    @staticmethod
-    def _finish(sample: SequenceOutput) -> dict:
-        return finish_reason(sample.finish_reason, sample.matched)
 
     def _token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
@@ -346,11 +342,11 @@ class LocalReplica:
         )
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        from trainer.rollout.weight_group import destroy_weight_group
+        import torch.distributed as dist
 
         if group_name not in self.weight_groups:
             raise ValueError(f"no weight update group {group_name!r}")
-        await asyncio.to_thread(destroy_weight_group, self.weight_groups.pop(group_name))
+        await asyncio.to_thread(dist.destroy_process_group, self.weight_groups.pop(group_name))
 
     async def update_weights_from_distributed(
         self, *, names, dtypes, shapes, group_name: str, weight_version: str | None = None

@@ -220,7 +220,7 @@ class RolloutManager:
         """The weights as a transformers checkpoint folder (config + safetensors); returns its path."""
         if self._weights_dir is None:
             self._weights_dir = self._temporary_weights_dir = tempfile.mkdtemp(
-                prefix="rollout-weights-", dir=_fast_tmp()
+                prefix="rollout-weights-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
             )
         root = Path(self._weights_dir)
         folder = root / "latest"
@@ -228,8 +228,6 @@ class RolloutManager:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(source, Mapping):
             from safetensors.torch import save_file
-
-            from trainer.rollout.client import host_tensors
 
             if self.config_dir is None:
                 raise ValueError("load_weights(state_dict) for HTTP replicas needs config_dir")
@@ -246,14 +244,23 @@ class RolloutManager:
         return str(folder)
 
 
+def host_tensors(named_tensors: Mapping) -> dict:
+    """Contiguous CPU copies for safetensors, each storage once: tied weights (lm_head = embed_tokens)
+    keep their first name only, and the receiving engine ties them again."""
+    seen, out = set(), {}
+    for name, tensor in named_tensors.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
 def _in_process(replica: Replica) -> bool:
     from trainer.rollout.local import LocalReplica
 
     return isinstance(replica, LocalReplica)
-
-
-def _fast_tmp() -> str | None:
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
 def http_manager(
@@ -265,14 +272,13 @@ def http_manager(
     servers=None,
     weights_dir: str | None = None,
     loop: asyncio.AbstractEventLoop | None = None,
-    **pool_kwargs,
 ) -> RolloutManager:
     """A manager over rollout servers (SGLang or built-in) at `urls` (servers: stopped by close()).
     weights_dir: where /update_weights_from_disk checkpoints go; a path the servers see too (a shared
     filesystem) when they run on other machines."""
     from trainer.rollout.client import HttpReplica
 
-    pool = ReplicaPool([HttpReplica(u, token=token) for u in urls], **pool_kwargs)
+    pool = ReplicaPool([HttpReplica(u, token=token) for u in urls])
     return RolloutManager(
         pool, pad_id=pad_id, config_dir=config_dir, servers=servers, weights_dir=weights_dir, loop=loop
     )

@@ -95,11 +95,6 @@ class WireSamplingParams(BaseModel):
             raise ValueError("top_k must be -1 (off) or >= 1")
         return value
 
-    def stops(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
 
 class GenerateRequest(BaseModel):
     """POST /generate. Types of the honoured fields are checked here; every other field SGLang knows is
@@ -261,7 +256,7 @@ def engine_sampling(wire: WireSamplingParams, room: int) -> SamplingParams | Non
         top_p=wire.top_p,
         top_k=wire.top_k,
         max_new_tokens=max_new,
-        stop=wire.stops(),
+        stop=(wire.stop,) if isinstance(wire.stop, str) else tuple(wire.stop or ()),
         stop_token_ids=tuple(wire.stop_token_ids or ()),
         n=wire.n,
         seed=wire.sampling_seed,
@@ -269,8 +264,8 @@ def engine_sampling(wire: WireSamplingParams, room: int) -> SamplingParams | Non
     )
 
 
-def wire_sampling(sampling: SamplingParams, seed: int | None = None) -> dict:
-    """SamplingParams -> an SGLang-API server's sampling_params JSON (`seed` overrides sampling.seed)."""
+def wire_sampling(sampling: SamplingParams) -> dict:
+    """SamplingParams -> an SGLang-API server's sampling_params JSON."""
     params = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -284,30 +279,18 @@ def wire_sampling(sampling: SamplingParams, seed: int | None = None) -> dict:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         params["ignore_eos"] = True
-    seed = sampling.seed if seed is None else seed
-    if seed is not None:  # SGLang honours it only under --enable-deterministic-inference, else ignores it
-        params["sampling_seed"] = seed
+    if sampling.seed is not None:  # SGLang honours it only under --enable-deterministic-inference
+        params["sampling_seed"] = sampling.seed
     return params
 
 
-def finish_reason(
-    kind: Literal["stop", "length", "abort"],
-    matched: int | str | None,
-    *,
-    status_code: int | None = None,
-    err_type: str | None = None,
-) -> dict:
+def finish_reason(kind: Literal["stop", "length", "abort"], matched: int | str | None) -> dict:
     """SGLang's finish_reason object (schedule_batch.py's FINISH_* to_json)."""
     if kind == "stop":
         return {"type": "stop", "matched": matched}
     if kind == "length":
         return {"type": "length", "length": matched}
-    return {
-        "type": "abort",
-        "message": str(matched or "Aborted"),
-        "status_code": status_code,
-        "err_type": err_type,
-    }
+    return {"type": "abort", "message": str(matched or "Aborted"), "status_code": None, "err_type": None}
 
 
 def logprob_entries(

@@ -86,7 +86,7 @@ def is_unset(value: Any) -> bool:
     return False
 
 
-def refused_field(body: dict, refused, path: str = "") -> str | None:
+def refused_field(body: dict, refused) -> str | None:
     """The first refused field that is set, as a message naming it; None when there is none."""
     for name in refused:
         if name not in body:
@@ -97,7 +97,7 @@ def refused_field(body: dict, refused, path: str = "") -> str | None:
         positions = name in POSITION_LISTS and isinstance(value, list) and any(v is not None for v in value)
         if (is_unset(value) or value == neutral) and not positions:
             continue
-        return f"{path}{name} is not supported by this server (the built-in engine); leave it unset" + (
+        return f"{name} is not supported by this server (the built-in engine); leave it unset" + (
             f" or {neutral!r}" if neutral not in (None, 0, 0.0) else ""
         )
     return None

@@ -32,17 +32,14 @@ def init_weight_group(
     rank: int,
     group_name: str = DEFAULT_GROUP_NAME,
     backend: str = "gloo",
-    timeout: datetime.timedelta = TIMEOUT,
 ) -> dist.ProcessGroup:
     """Join the group (blocks until all world_size ranks have joined; rank 0 hosts the store)."""
     from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
 
-    if not group_name:
-        raise ValueError("group_name must not be empty")
     store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=TIMEOUT)
     )
-    store.set_timeout(timeout)
+    store.set_timeout(TIMEOUT)
     group, _ = _new_process_group_helper(
         world_size,
         rank,
@@ -50,14 +47,10 @@ def init_weight_group(
         dist.Backend(backend),
         dist.PrefixStore(group_name, store),
         group_name=group_name,
-        timeout=timeout,
+        timeout=TIMEOUT,
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # collectives look the ranks up here
     return group
-
-
-def destroy_weight_group(group: dist.ProcessGroup) -> None:
-    dist.destroy_process_group(group)
 
 
 def receive_weights(
@@ -67,11 +60,8 @@ def receive_weights(
     shapes: Sequence[Sequence[int]],
     device: torch.device | str = "cpu",
 ) -> dict[str, Tensor]:
-    """A server rank's side: empty tensors of the announced dtypes and shapes, filled by rank 0."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
-            f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
-        )
+    """A server rank's side: empty tensors of the announced dtypes and shapes (the request model checked
+    that the three align), filled by rank 0."""
     tensors = {}
     for name, dtype, shape in zip(names, dtypes, shapes):
         tensors[name] = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device)

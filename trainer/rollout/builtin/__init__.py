@@ -10,19 +10,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.rollout.builtin.engine import BuiltinEngine, EngineConfig, SequenceOutput
+from trainer.rollout.builtin.engine import BuiltinEngine, EngineConfig
 from trainer.rollout.builtin.model import EngineModel, ModelShape
 
-__all__ = [
-    "BuiltinEngine",
-    "EngineConfig",
-    "EngineModel",
-    "ModelShape",
-    "SequenceOutput",
-    "checkpoint_tensors",
-    "engine_model",
-    "load_engine",
-]
+__all__ = ["EngineConfig", "checkpoint_tensors", "default_eos_ids", "load_engine"]
 
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -38,19 +29,6 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def engine_model(source, *, dtype: torch.dtype, device) -> EngineModel:
-    """An EngineModel filled from a checkpoint folder or a live transformers model."""
-    if isinstance(source, (str, Path)):
-        from transformers import AutoConfig
-
-        model = EngineModel(ModelShape.from_config(AutoConfig.from_pretrained(source)), dtype, device)
-        model.load(dict(checkpoint_tensors(source)))
-        return model
-    model = EngineModel(ModelShape.from_config(source.config), dtype, device)
-    model.load(source.state_dict())
-    return model
-
-
 def load_engine(
     source,
     *,
@@ -60,14 +38,23 @@ def load_engine(
     config: EngineConfig | None = None,
     eos_token_ids=None,
 ) -> BuiltinEngine:
-    """A ready engine. dtype: bf16 on CUDA, fp32 on CPU by default. eos_token_ids: the tokenizer's eos
-    and the checkpoint's generation-config eos ids by default (Qwen-Instruct: <|im_end|>, <|endoftext|>).
+    """A ready engine, its weights from a checkpoint folder or a live transformers model. dtype: bf16 on
+    CUDA, fp32 on CPU by default. eos_token_ids: the tokenizer's eos and the checkpoint's generation-config
+    eos ids by default (Qwen-Instruct: <|im_end|>, <|endoftext|>).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if eos_token_ids is None:
         eos_token_ids = default_eos_ids(source, tokenizer)
-    return BuiltinEngine(engine_model(source, dtype=dtype, device=device), tokenizer, config, eos_token_ids)
+    if isinstance(source, (str, Path)):
+        from transformers import AutoConfig
+
+        model = EngineModel(ModelShape.from_config(AutoConfig.from_pretrained(source)), dtype, device)
+        model.load(dict(checkpoint_tensors(source)))
+    else:
+        model = EngineModel(ModelShape.from_config(source.config), dtype, device)
+        model.load(source.state_dict())
+    return BuiltinEngine(model, tokenizer, config, eos_token_ids)
 
 
 def default_eos_ids(source, tokenizer) -> tuple[int, ...]:

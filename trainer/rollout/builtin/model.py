@@ -189,12 +189,6 @@ class EngineModel:
                 targets[p + "self_attn.k_norm.weight"] = self.k_norm[i]
         return targets
 
-    def expected_names(self) -> set[str]:
-        names = set(self._targets)
-        if self.shape.tied_embeddings:
-            names.discard("lm_head.weight")  # tied: filled by the embedding
-        return names
-
     @torch.no_grad()
     def load(self, state: Mapping[str, Tensor], *, strict: bool = True) -> int:
         """Copy (and cast) transformers-named tensors in place; returns how many were loaded.
@@ -220,7 +214,9 @@ class EngineModel:
             loaded.add(name)
         if unknown:
             raise ValueError(f"unknown weights (not a {self.shape} model?): {sorted(unknown)[:5]}")
-        missing = self.expected_names() - loaded
+        missing = set(self._targets) - loaded
+        if self.shape.tied_embeddings:
+            missing.discard("lm_head.weight")  # tied: filled by the embedding
         if strict and missing:
             raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:5]}")
         return len(loaded)
@@ -349,7 +345,7 @@ class EngineModel:
         lengths: Tensor,
         cache: KVCache,
         attend: DecodeAttention,
-        out: Tensor | None = None,
+        out: Tensor,
     ) -> Tensor:
         """One new token per sequence: tokens [B] at position lengths-1 of slots [B] -> logits [B, V].
 
@@ -376,7 +372,7 @@ class EngineModel:
 
     @torch.no_grad()
     def decode_fused(
-        self, tokens: Tensor, slots: Tensor, lengths: Tensor, cache: KVCache, out: Tensor | None = None
+        self, tokens: Tensor, slots: Tensor, lengths: Tensor, cache: KVCache, out: Tensor
     ) -> Tensor:
         """decode() in 9 kernels per layer (GPU, Triton): the residual add rides in the next RMSNorm,
         RoPE and the KV-cache write are one kernel, SiLU-and-multiply another. Between kernels the math and
@@ -398,8 +394,6 @@ class EngineModel:
             mlp = F.linear(kernels.silu_mul(F.linear(h, self.gate_up_w[i])), self.down_w[i])
             next_norm = self.in_norm[i + 1] if i + 1 < s.layers else self.final_norm
             h = kernels.add_rms_norm(mlp, next_norm, s.rms_eps, x)
-        if out is None:
-            return F.linear(h, self.lm_head)
         return torch.mm(h, self.lm_head.t(), out=out)
 
 

@@ -158,7 +158,7 @@ class DecodeRunner:
         else:
             self.model.decode(tokens, slots, lengths, self.cache, self.attend, out=out)
 
-    def _capture(self, width: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, width: int) -> None:
         # Warm up on a side stream first (compiles Triton kernels, settles cuBLAS workspaces).
         self.inputs[0, :width] = self.cache.padding_slot
         self.inputs[1, :width] = 1
@@ -182,7 +182,6 @@ class DecodeRunner:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self.graphs[width] = graph
-        return graph
 
     def capture_all(self) -> None:
         """Capture every bucket now, largest first (so smaller graphs reuse its memory pool)."""

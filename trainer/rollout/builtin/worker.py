@@ -28,14 +28,14 @@ class EngineError(RuntimeError):
 
 
 class EngineWorker:
-    def __init__(self, engine: BuiltinEngine, name: str = "rollout-engine") -> None:
+    def __init__(self, engine: BuiltinEngine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._failures: dict[str, Callable[[BaseException], None]] = {}
         self._closed = False
         self._turns: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[], None], Callable]]] = {}
         self.paused = False  # SGLang's pause_generation: requests stay queued, no step runs
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
 
     async def generate(
