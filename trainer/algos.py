@@ -103,30 +103,21 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / torch.where(count > 0, count, torch.ones_like(count))
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of x over the masked positions (scalar), Bessel-corrected when `unbiased`.
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Unbiased (Bessel-corrected) variance of x over the masked positions (scalar).
 
     One or zero masked positions give 0 (verl raises there), so whitening a degenerate batch yields
     zeros instead of NaN.
     """
-    mean = masked_mean(x, mask)
-    variance = masked_mean((x - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        bessel = torch.where(count > 1, count / (count - 1), torch.zeros_like(count))
-        variance = variance * bessel
-    return variance
+    variance = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    count = mask.sum()
+    return variance * torch.where(count > 1, count / (count - 1), torch.zeros_like(count))
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
     """(x - mean) / sqrt(var + 1e-8) with the statistics of the masked positions; 0 off the mask.
-
-    shift_mean=False adds the mean back (rescale only). x, mask [B, T] -> [B, T].
-    """
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
-    if not shift_mean:
-        whitened = whitened + mean
+    x, mask [B, T] -> [B, T]."""
+    whitened = (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
     return whitened * mask
 
 
@@ -142,14 +133,6 @@ def _check_outcome_inputs(scores: Tensor, group_ids: Tensor, response_mask: Tens
         raise ValueError(f"response_mask must be [B={scores.shape[0]}, T]; got {tuple(response_mask.shape)}")
 
 
-def _group_min_max(scores: Tensor, group_index: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
-    """Each group's smallest and largest score. scores, group_index [B] -> ([G], [G])."""
-    empty = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
-    group_min = empty.scatter_reduce(0, group_index, scores, reduce="amin", include_self=False)
-    group_max = empty.scatter_reduce(0, group_index, scores, reduce="amax", include_self=False)
-    return group_min, group_max
-
-
 def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per sample, the mean, unbiased std and size of its group.
 
@@ -161,7 +144,9 @@ def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tens
     means = torch.zeros_like(sizes).index_add_(0, group_index, scores) / sizes
     # Equal scores must give deviations of exactly 0. Their float mean can miss them by a rounding step
     # (six fp32 0.3s average to 0.3 - 3e-8), and GRPO's / (std + 1e-6) would blow that up to 0.03.
-    group_min, group_max = _group_min_max(scores, group_index, counts.shape[0])
+    empty = torch.zeros_like(sizes)
+    group_min = empty.scatter_reduce(0, group_index, scores, reduce="amin", include_self=False)
+    group_max = empty.scatter_reduce(0, group_index, scores, reduce="amax", include_self=False)
     means = torch.where(group_min == group_max, group_max, means)
     squared_deviations = (scores - means[group_index]) ** 2
     sums_of_squares = torch.zeros_like(sizes).index_add_(0, group_index, squared_deviations)

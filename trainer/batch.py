@@ -63,34 +63,18 @@ class TrainBatch:
 
     @classmethod
     def from_rollouts(
-        cls,
-        rollouts: Sequence[Rollout],
-        pad_id: int,
-        *,
-        data_sources: Sequence[str] | None = None,
-        group_ids: Sequence[int] | None = None,
-        response_width: int | None = None,
+        cls, rollouts: Sequence[Rollout], pad_id: int, *, data_sources: Sequence[str] | None = None
     ) -> TrainBatch:
-        """Pad rollouts into a batch.
-
-        data_sources: one per prompt, looked up by `Rollout.prompt_index`. group_ids: one per rollout;
-        by default the prompt_index, so rollouts merged from several generate() calls (DAPO refills)
-        must pass distinct ids. response_width: pad responses to this T (default: the longest).
-        """
+        """Pad rollouts into a batch, grouped by `Rollout.prompt_index` (so rollouts merged from several
+        generate() calls, DAPO refills, must be re-indexed first). data_sources: one per prompt, looked
+        up by prompt_index."""
         if not rollouts:
             raise ValueError("no rollouts to batch")
         for index, r in enumerate(rollouts):
             if not len(r.response_ids) == len(r.logprobs) == len(r.loss_mask):
                 raise ValueError(f"rollout {index}: response_ids, logprobs and loss_mask differ in length")
-        if group_ids is not None and len(group_ids) != len(rollouts):
-            raise ValueError(f"group_ids has {len(group_ids)} entries for {len(rollouts)} rollouts")
         prompt_width = max(len(r.prompt_ids) for r in rollouts)
-        longest = max(max(len(r.response_ids) for r in rollouts), 1)
-        width = response_width or longest
-        if width < longest:
-            raise ValueError(
-                f"response_width {width} is shorter than the longest response ({longest} tokens)"
-            )
+        width = max(max(len(r.response_ids) for r in rollouts), 1)
         batch_size = len(rollouts)
         input_ids = torch.full((batch_size, prompt_width + width), pad_id, dtype=torch.long)
         response_mask = torch.zeros(batch_size, width, dtype=torch.float32)
@@ -117,10 +101,7 @@ class TrainBatch:
             response_mask=response_mask,
             prompt_lengths=prompt_lengths,
             response_lengths=response_lengths,
-            group_ids=torch.tensor(
-                list(group_ids) if group_ids is not None else [r.prompt_index for r in rollouts],
-                dtype=torch.long,
-            ),
+            group_ids=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
             rollout_logprobs=rollout_logprobs,
             data_sources=sources,
         )

@@ -50,13 +50,12 @@ class CompiledOrEager:
         self,
         fn: Callable,
         *,
-        enabled: bool = True,
         backend: str | Callable = "inductor",
         dynamic: bool | None = True,
         dynamic_rows: bool = False,
     ) -> None:
-        self.fn, self.enabled, self.backend, self.dynamic = fn, enabled, backend, dynamic
-        self.dynamic_rows = dynamic_rows
+        self.fn, self.backend, self.dynamic, self.dynamic_rows = fn, backend, dynamic, dynamic_rows
+        self.enabled = True  # until the first compilation failure
         self._compiled: Callable | None = None
 
     def __call__(self, *args, **kwargs):
@@ -91,10 +90,6 @@ def compile_decoder_layers(layers: list[nn.Module], *, backend: str | Callable =
     compiled = _compiled_forward(type(layers[0]), backend)
     for layer in layers:
         layer.forward = types.MethodType(compiled, layer)
-
-
-def is_compiled(layer: nn.Module) -> bool:
-    return "forward" in layer.__dict__
 
 
 _COMPILED: dict[tuple[type, object], Callable] = {}

@@ -31,7 +31,6 @@ import gc
 import json
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 
 from services.common.client import ServiceError
 from trainer import algos
-from trainer.agent.loop import AgentBatch
+from trainer.agent.loop import AgentBatch, OnGroup
 from trainer.batch import TrainBatch
 from trainer.checkpoint import (
     RoleState,
@@ -403,9 +402,6 @@ class GroupScoring:
                 end = start + len(group)
                 self.groups[index].add(group, items[start:end], scores_of(results[start:end]))
                 start = end
-
-
-OnGroup = Callable[[int, list[Rollout]], Awaitable[None]]
 
 
 async def generate(

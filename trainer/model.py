@@ -205,10 +205,6 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
-def is_gradient_checkpointing(model: PreTrainedModel) -> bool:
-    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
-
-
 def _load(
     auto_class,
     path: str,
@@ -270,7 +266,3 @@ def backbone_and_head(model: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
     if head is None or backbone is model:
         raise TypeError(f"{type(model).__name__} has no separable backbone and output head")
     return backbone, head
-
-
-def parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

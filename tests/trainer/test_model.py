@@ -16,7 +16,6 @@ from trainer.model import (
     load_policy,
     load_reference,
     load_tokenizer,
-    parameter_count,
     resolve_source,
 )
 from trainer.rollout import SamplingParams
@@ -79,9 +78,15 @@ def test_make_tiny_model_is_seeded(tmp_path):
         make_tiny_model(tmp_path / "d", vocab=50)
 
 
-def test_gradient_checkpointing_switch(tiny_dir):
-    from trainer.model import is_gradient_checkpointing
+def is_gradient_checkpointing(model) -> bool:
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_gradient_checkpointing_switch(tiny_dir):
     assert is_gradient_checkpointing(load_policy(str(tiny_dir), gradient_checkpointing=True))
     assert not is_gradient_checkpointing(load_policy(str(tiny_dir)))
     assert is_gradient_checkpointing(load_critic(str(tiny_dir), gradient_checkpointing=True))

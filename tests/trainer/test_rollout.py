@@ -247,21 +247,17 @@ def test_train_batch_rows_of_any_lengths_hold_each_rollout_where_the_layout_says
 
 def test_train_batch_split_select_to_and_group_ids():
     rollouts = [rollout([1] * (i + 1), [2] * (5 - i), index=i // 2) for i in range(5)]
-    batch = TrainBatch.from_rollouts(rollouts, pad_id=0, response_width=8)
-    assert batch.response_width == 8 and batch.group_ids.tolist() == [0, 0, 1, 1, 2]
+    batch = TrainBatch.from_rollouts(rollouts, pad_id=0)
+    assert batch.response_width == 5 and batch.group_ids.tolist() == [0, 0, 1, 1, 2]
     parts = batch.split(2)
     assert [len(p) for p in parts] == [2, 2, 1]
     assert torch.equal(torch.cat([p.input_ids for p in parts]), batch.input_ids)
     reordered = batch.select(torch.tensor([4, 0]))
     assert reordered.prompt_lengths.tolist() == [5, 1] and reordered.group_ids.tolist() == [2, 0]
     assert batch.to("cpu").input_ids.device.type == "cpu"
-    advantages = torch.ones(5, 8)
-    assert batch.with_fields(advantages=advantages).split(3)[1].advantages.shape == (2, 8)
+    advantages = torch.ones(5, 5)
+    assert batch.with_fields(advantages=advantages).split(3)[1].advantages.shape == (2, 5)
     assert batch.advantages is None  # with_fields made a new record
-    explicit = TrainBatch.from_rollouts(rollouts, pad_id=0, group_ids=[10, 10, 11, 11, 12])
-    assert explicit.group_ids.tolist() == [10, 10, 11, 11, 12]
-    with pytest.raises(ValueError, match="shorter"):
-        TrainBatch.from_rollouts(rollouts, pad_id=0, response_width=3)
     with pytest.raises(ValueError, match="no rollouts"):
         TrainBatch.from_rollouts([], pad_id=0)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.batch import TrainBatch
-from trainer.model import is_gradient_checkpointing, load_critic, load_policy, load_reference
+from trainer.model import load_critic, load_policy, load_reference
 from trainer.rollout.base import Rollout
 from testing.tiny import make_tiny_model
 from trainer.workers.policy import Policy, PolicyLossSettings, is_on_policy
@@ -23,7 +23,7 @@ from trainer.workers.common import (
     token_budget_bounds,
 )
 from trainer.workers.critic import Critic, ValueLossSettings
-from trainer.workers.logprobs import response_logprobs
+from trainer.workers.logprobs import LogprobHead, response_logprobs
 from trainer.workers.reference import Reference
 
 VOCAB = 100  # the char tokenizer
@@ -161,7 +161,7 @@ def test_chunked_logprobs_and_entropy_equal_naive_full_vocab_computation(base_mo
     batch = make_batch()
     with torch.no_grad():
         chunked = response_logprobs(
-            base_model, batch, temperature=temperature, with_entropy=True, chunk_size=5
+            base_model, batch, temperature=temperature, with_entropy=True, head=LogprobHead(chunk_size=5)
         )
         logprobs, entropy = naive_logprobs(base_model, batch, temperature)
     assert chunked.logprobs.shape == (8, batch.response_width)
@@ -180,7 +180,7 @@ def test_chunked_gradients_through_checkpointed_chunks_equal_naive(base_model):
     for compute in ("chunked", "naive"):
         model = fresh(base_model)
         if compute == "chunked":
-            out = response_logprobs(model, batch, with_entropy=True, chunk_size=3)
+            out = response_logprobs(model, batch, with_entropy=True, head=LogprobHead(chunk_size=3))
             logprobs, entropy = out.logprobs, out.entropy
         else:
             logprobs, entropy = naive_logprobs(model, batch, 1.0)
@@ -320,7 +320,7 @@ def test_gradient_checkpointing_gives_the_same_update(model_dir, base_model):
         policy = policy_of(load_policy(str(model_dir), gradient_checkpointing=checkpointing), mini=4, micro=2)
         policy.update(batch)
         params.append(flat_params(policy.model))
-    assert is_gradient_checkpointing(policy.model)
+    assert any(getattr(module, "gradient_checkpointing", False) is True for module in policy.model.modules())
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-6)
 
 
@@ -478,14 +478,17 @@ def test_adamw_skips_a_non_finite_step_whole_moments_and_step_count_included(bas
     torch.testing.assert_close(policy.model.state_dict(), before[1])
 
 
-def test_state_dict_round_trip_continues_exactly(base_model):
+def test_model_optimizer_and_scheduler_state_resume_exactly(base_model):
+    # a checkpoint saves just these three (trainer/checkpoint.py): nothing else of the policy may matter
+    parts = ("model", "optimizer", "scheduler")
     batch = with_training_fields(make_batch(), base_model)
     straight = policy_of(fresh(base_model), mini=4, micro=4, warmup_steps=3)
     straight.update(batch)
-    saved = copy.deepcopy(straight.state_dict())
+    saved = {part: copy.deepcopy(getattr(straight, part).state_dict()) for part in parts}
     straight.update(batch)
     resumed = policy_of(fresh(base_model), mini=4, micro=4, warmup_steps=3)
-    resumed.load_state_dict(saved)
+    for part in parts:
+        getattr(resumed, part).load_state_dict(saved[part])
     metrics = resumed.update(batch)
     assert metrics["actor/lr"] == pytest.approx(2 / 3 * 1e-3)  # the schedule resumed at step 1
     torch.testing.assert_close(flat_params(resumed.model), flat_params(straight.model), rtol=0, atol=0)

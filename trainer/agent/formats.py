@@ -221,7 +221,6 @@ class HermesFormat:
         self.chat_template = chat_template
         self.template_kwargs = dict(template_kwargs or {})
         self.tool_names = tuple(tool_names)
-        self.max_parallel_calls = max_parallel_calls
         self.stop = ("</tool_call>",) if max_parallel_calls == 1 else ()
         self._pieces: dict[int, list[str]] = {}
 

@@ -85,10 +85,6 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init_data_parallel(
     *, rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device
 ) -> DataParallel:
@@ -97,7 +93,7 @@ def init_data_parallel(
         os.environ.update(NCCL_ENV)
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend=backend_for(device),
+        backend="nccl" if device.type == "cuda" else "gloo",
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,
@@ -157,9 +153,8 @@ def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
 
 
 def contiguous_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
-    """Indices 0..len-1 in `parts` consecutive runs of equal size (trainer.balance_batch=false)."""
-    if len(weights) % parts:
-        raise ValueError(f"{len(weights)} rows do not split evenly over {parts} ranks")
+    """Indices 0..len-1 in `parts` consecutive runs of equal size (trainer.balance_batch=false; shard_rows
+    has checked that they split evenly)."""
     size = len(weights) // parts
     return [list(range(rank * size, (rank + 1) * size)) for rank in range(parts)]
 

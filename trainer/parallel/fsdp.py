@@ -24,6 +24,7 @@ tensors in one process (for exporting to Hugging Face) without any process group
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections import Counter
@@ -218,19 +219,13 @@ class Offloader:
         if self.moments:
             _move_optimizer_state(self.optimizer, self.device)
 
+    @contextlib.contextmanager
     def on_device(self):
-        return _OnDevice(self)
-
-
-class _OnDevice:
-    def __init__(self, offloader: Offloader) -> None:
-        self.offloader = offloader
-
-    def __enter__(self) -> None:
-        self.offloader.load()
-
-    def __exit__(self, *exc) -> None:
-        self.offloader.offload()
+        self.load()
+        try:
+            yield
+        finally:
+            self.offload()
 
 
 def _move_optimizer_state(optimizer, device: torch.device) -> None:

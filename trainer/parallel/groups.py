@@ -199,17 +199,15 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
     from trainer.parallel.ranks import CriticRank, PolicyRank, ReferenceRank
 
     trainer = cfg.trainer
-    builds = {
-        "policy": functools.partial(PolicyRank, rank_settings.policy_rank_settings(cfg, precision, steps))
-    }
+    policy = rank_settings.policy_rank_settings(cfg, precision, steps)
+    builds = {"policy": functools.partial(PolicyRank, policy)}
     if cfg.use_reference:
         builds["reference"] = functools.partial(
             ReferenceRank, rank_settings.reference_rank_settings(cfg, precision)
         )
-    if cfg.use_critic:
-        builds["critic"] = functools.partial(
-            CriticRank, rank_settings.critic_rank_settings(cfg, precision, steps)
-        )
+    critic = rank_settings.critic_rank_settings(cfg, precision, steps) if cfg.use_critic else None
+    if critic is not None:
+        builds["critic"] = functools.partial(CriticRank, critic)
     if cfg.uses_ray:
         # The driver only moves rows between ranks: a few torch threads do. At one a core (64 on a 4-GPU
         # host whose cores the ranks and Ray share) its row copies ran 10-40x slower than on 2 threads here,
@@ -233,22 +231,12 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
             role: LocalRanks(build, role=role, device=device, seed=trainer.seed)
             for role, build in builds.items()
         }
-    policy_settings = builds["policy"].args[0]
+    balance = trainer.balance_batch
     groups = Groups(
-        policy=PolicyGroup(
-            ranks["policy"],
-            mini_batch_size=policy_settings.update.mini_batch_size,
-            balance=trainer.balance_batch,
-        ),
-        reference=ReferenceGroup(ranks["reference"], balance=trainer.balance_batch)
-        if "reference" in ranks
-        else None,
-        critic=CriticGroup(
-            ranks["critic"],
-            mini_batch_size=builds["critic"].args[0].update.mini_batch_size,
-            balance=trainer.balance_batch,
-        )
-        if "critic" in ranks
+        policy=PolicyGroup(ranks["policy"], mini_batch_size=policy.update.mini_batch_size, balance=balance),
+        reference=ReferenceGroup(ranks["reference"], balance=balance) if "reference" in ranks else None,
+        critic=CriticGroup(ranks["critic"], mini_batch_size=critic.update.mini_batch_size, balance=balance)
+        if critic is not None
         else None,
         pools=pools,
     )

@@ -79,7 +79,8 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> s
             num_cpus=num_cpus,
             include_dashboard=False,
             runtime_env=runtime_env,
-            object_store_memory=_local_object_store_bytes(),
+            # batches are token ids and [B, T] tensors: a small store starts faster, leaves memory to torch
+            object_store_memory=int(os.environ.get("TRAINER_RAY_OBJECT_STORE_BYTES", 512 * 2**20)),
         )
         return "started a local Ray cluster"
     ray.init(address=address, runtime_env=runtime_env)
@@ -94,20 +95,11 @@ PASSED_TO_RANKS = ("PYTORCH_CUDA_ALLOC_CONF",)
 def rank_env() -> dict[str, str]:
     """The environment every Ray worker of this run gets: NCCL_ENV, this checkout on PYTHONPATH, and the
     driver's PASSED_TO_RANKS settings."""
-    passed = {name: os.environ[name] for name in PASSED_TO_RANKS if name in os.environ}
-    return {**NCCL_ENV, **_python_path(), **passed}
-
-
-def _python_path() -> dict[str, str]:
     # Workers of a local cluster must import this checkout even when it is not installed.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-
-
-def _local_object_store_bytes() -> int:
-    # Batches are token ids and [B, T] tensors: a small store starts faster and leaves memory to torch.
-    return int(os.environ.get("TRAINER_RAY_OBJECT_STORE_BYTES", 512 * 2**20))
+    passed = {name: os.environ[name] for name in PASSED_TO_RANKS if name in os.environ}
+    return {**NCCL_ENV, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **passed}
 
 
 @dataclass(frozen=True)

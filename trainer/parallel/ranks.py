@@ -121,13 +121,19 @@ def per_rank(update: UpdateSettings, world_size: int) -> UpdateSettings:
     return dataclasses.replace(update, mini_batch_size=update.mini_batch_size // world_size)
 
 
-class _Checkpointed:
-    """Sharded save / load of a trainable role (model, AdamW, LR schedule) into a role directory."""
+class _TrainedRank:
+    """A trainable role's rank: its update, and sharded save / load of its model, AdamW and LR schedule
+    into a role directory."""
 
     trained: Policy | Critic
     offloader: Offloader
     dp: DataParallel
+    device: torch.device
     tokenizer_source: TokenizerSource  # saved beside the HF config, for trainer.export
+
+    def update(self, shard) -> dict[str, float]:
+        with self.offloader.on_device():
+            return self.trained.update(shard) | peak_memory(self.device)
 
     def save(self, directory: str, contents: Sequence[str] = ALL_CONTENTS) -> None:
         tokenizer = None
@@ -173,7 +179,7 @@ class PolicyRankSettings:
     engine: EngineSettings | None = None  # None: no colocated engine (generation runs elsewhere)
 
 
-class PolicyRank(_Checkpointed):
+class PolicyRank(_TrainedRank):
     def __init__(self, settings: PolicyRankSettings, dp: DataParallel, device: torch.device) -> None:
         model = _loaded(
             load_policy, settings.model, device, gradient_checkpointing=settings.model.gradient_checkpointing
@@ -207,10 +213,6 @@ class PolicyRank(_Checkpointed):
             dp=dp,
         )
         self.offloader = Offloader(model, self.trained.optimizer, settings.model.fsdp, device)
-
-    def update(self, shard) -> dict[str, float]:
-        with self.offloader.on_device():
-            return self.trained.update(shard) | peak_memory(self.device)
 
     def profile(self) -> PolicyProfile:
         return PolicyProfile.of(self.trained.model, self.trained.update_settings.ppo_epochs)
@@ -318,7 +320,7 @@ class CriticRankSettings:
     forward_micro_batch_size: MicroBatchSize | None = None
 
 
-class CriticRank(_Checkpointed):
+class CriticRank(_TrainedRank):
     def __init__(self, settings: CriticRankSettings, dp: DataParallel, device: torch.device) -> None:
         model = _sharded(
             load_critic,
@@ -342,7 +344,3 @@ class CriticRank(_Checkpointed):
     def compute_values(self, shard):
         with self.offloader.on_device():
             return self.trained.compute_values(shard)
-
-    def update(self, shard) -> dict[str, float]:
-        with self.offloader.on_device():
-            return self.trained.update(shard) | peak_memory(self.device)

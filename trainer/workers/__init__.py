@@ -1,1 +1,1 @@
-"""Workers, one class per role: Policy (actor.py), Reference (reference.py), Critic (critic.py)."""
+"""Workers, one class per role: Policy (policy.py), Reference (reference.py), Critic (critic.py)."""

@@ -270,7 +270,7 @@ class TrainedModel:
     A role (Policy, Critic) names its metric prefix and supplies `check_update_inputs` and
     `train_mini_batch` (forward and backward of each micro-batch, returning the mini-batch's metric
     sums, still on the device);
-    `update` does the rest. Parameters, optimizer and schedule round-trip through `state_dict`.
+    `update` does the rest. Its whole state is the model, optimizer and scheduler (what checkpoints save).
     """
 
     metric_prefix: ClassVar[str]
@@ -333,15 +333,3 @@ class TrainedModel:
 
     def train_mini_batch(self, mini_batch: TrainBatch) -> MiniBatchMetrics:
         raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])

@@ -28,7 +28,7 @@ KV_CACHE = ("kv_cache",)  # SGLang's memory tag of the KV cache (weights are "we
 # the most KV slots the built-in engine sizes itself to: decoding more sequences at once gains little,
 # and the logits buffers of the decode step grow with the slot count
 MAX_SLOTS = 2048
-CPU_SLOTS = 256
+CPU_SLOTS = 256  # the same cap on the CPU
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,8 +38,6 @@ class EngineSettings:
     name: Literal["builtin", "hf"] = "builtin"
     context_length: int = 4096  # prompt + response tokens (rollout.prompt_length + response_length)
     gpu_memory_utilization: float = 0.5  # builtin on CUDA: weights + KV cache take at most this share
-    max_slots: int = MAX_SLOTS  # builtin: the cap on memory-sized KV slots (CPU: at most CPU_SLOTS)
-    max_batch_size: int | None = None  # hf: sequences decoded together (None: all)
 
 
 def colocated_replica(
@@ -62,14 +60,14 @@ def colocated_replica(
         copy = load_reference(
             model_path, device=device, param_dtype=dtype, trust_remote_code=trust_remote_code
         )
-        return HFReplica(HFRolloutEngine(copy, tokenizer, max_batch_size=settings.max_batch_size), name=name)
+        return HFReplica(HFRolloutEngine(copy, tokenizer), name=name)
     from trainer.rollout.builtin import EngineConfig, load_engine
     from trainer.rollout.builtin.worker import EngineWorker
     from trainer.rollout.local import LocalReplica
 
     on_gpu = device.type == "cuda"
     config = EngineConfig(
-        max_running=settings.max_slots if on_gpu else min(settings.max_slots, CPU_SLOTS),
+        max_running=MAX_SLOTS if on_gpu else CPU_SLOTS,
         context_length=settings.context_length,
         gpu_memory_utilization=settings.gpu_memory_utilization if on_gpu else None,
         # the colocated roles are this process (trainer/parallel/placement.py): the KV memory released

@@ -224,7 +224,6 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    chunk_size: int | None = None,
     head: LogprobHead = LogprobHead(),
 ) -> ResponseLogprobs:
     """Logprobs (and entropy) of the batch's response tokens under `model`, computed chunk by chunk.
@@ -232,12 +231,9 @@ def response_logprobs(
     Runs in the caller's grad / autocast context; gradients flow into the model when enabled (through
     the entropy only if `entropy_grad`). A model set up for padding removal (trainer/packing.py) runs
     the micro-batch packed; an FSDP-sharded one runs it as one forward of its root (trainer/parallel/fsdp.py).
-    chunk_size overrides head.chunk_size.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to compute logprobs, got {temperature}")
-    if chunk_size is not None:
-        head = LogprobHead(chunk_size=chunk_size, fused=head.fused, compiled=head.compiled)
     return in_root_forward(model, _response_logprobs, batch, temperature, with_entropy, entropy_grad, head)
 
 
