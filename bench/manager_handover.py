@@ -75,7 +75,7 @@ def timed(mode: str, pool: ReplicaPool, shape) -> float:
 
     async def run() -> float:
         mine = {"loop": asyncio.get_running_loop()} if mode == "loop" else {}  # old trees lack loop=
-        manager = RolloutManager(pool, pad_id=0, **mine)
+        manager = RolloutManager(pool, **mine)
         started = time.perf_counter()
         await shape(manager)
         seconds = time.perf_counter() - started

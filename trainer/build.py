@@ -140,8 +140,8 @@ class Run:
 async def build_run(cfg: Config) -> Run:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     device = resolve_device(trainer.device)
-    source = tokenizer_source(cfg)  # the policy ranks load the same one (trainer/parallel/settings.py)
-    tokenizer = load_tokenizer(source.path, trust_remote_code=source.trust_remote_code)
+    tokenizer_from = tokenizer_source(cfg)  # the policy ranks load the same one (parallel/settings.py)
+    tokenizer = load_tokenizer(tokenizer_from.path, trust_remote_code=tokenizer_from.trust_remote_code)
     multi_turn = arr.rollout.multi_turn
     tools = agent_tools(multi_turn, cfg.services) if multi_turn.enable else None
     data = cfg.data
@@ -160,7 +160,6 @@ async def build_run(cfg: Config) -> Run:
     rollout = build_rollout(
         arr.rollout.engine,
         replicas=groups.policy.replicas() if arr.rollout.engine != "sglang" else (),
-        pad_id=pad_id,
         model_path=arr.model.path,
         server_urls=server_urls_from_env(),
         gpus=visible_gpus(),
@@ -168,7 +167,7 @@ async def build_run(cfg: Config) -> Run:
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
         weights_dir=weights_dir_from_env(),
         token=cfg.services.auth_token,
-        trust_remote_code=arr.model.trust_remote_code,
+        trust_remote_code=tokenizer_from.trust_remote_code,  # SGLang's one switch: model and tokenizer
         tokenizer_path=cfg.data.tokenizer,
         loop=asyncio.get_running_loop(),
     )

@@ -129,7 +129,7 @@ def run_agent(
     settings = {"max_response_length": 2048, "max_tool_response_length": 512, **settings}
 
     async def go():
-        manager = RolloutManager(ReplicaPool([replica]), pad_id=tokenizer.pad_token_id)
+        manager = RolloutManager(ReplicaPool([replica]))
         client = RetrievalClient(urls, **(client_kwargs or {}))
         tools = [
             SearchTool(SearchBatcher(client, topk=2, max_queries=max_queries), SEARCH_TOOL_SCHEMA, style=fmt)
@@ -574,7 +574,7 @@ def test_verl_example_search_config_runs_a_search_turn(retrieval, tokenizers):
     replica = ScriptedReplica(tokenizer, planned("hermes", {question: ["Norvik River"]}, {question: "Amber"}))
 
     async def go():
-        manager = RolloutManager(ReplicaPool([replica]), pad_id=tokenizer.pad_token_id)
+        manager = RolloutManager(ReplicaPool([replica]))
         agent = await build_agent(
             multi_turn, config.services, tools, engine=manager, tokenizer=tokenizer, max_response_length=4096
         )
@@ -641,7 +641,7 @@ def test_both_tools_on_the_real_services(retrieval, tokenizers, monkeypatch):
         replica = ScriptedReplica(tokenizer, policy)
 
         async def go():
-            manager = RolloutManager(ReplicaPool([replica]), pad_id=tokenizer.pad_token_id)
+            manager = RolloutManager(ReplicaPool([replica]))
             agent = await build_agent(
                 multi_turn,
                 config.services,

@@ -98,7 +98,7 @@ def cpu_builtin_replica(model, tok):
 def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_buckets():
     model, tok = varied_model("qwen2", seed=3)
     replica = cpu_builtin_replica(model, tok)
-    manager = RolloutManager(ReplicaPool([replica]), pad_id=0)
+    manager = RolloutManager(ReplicaPool([replica]))
     inner = replica.engine  # the BuiltinEngine behind the replica
     try:
         assert inner.released == {"kv_cache"} and inner.cache is None  # nothing held until a rollout phase
@@ -138,7 +138,7 @@ def test_the_fit_loop_frees_the_kv_cache_after_each_rollout_phase_only_when_aske
 
     model, tok = varied_model("qwen2", seed=3)
     replica = cpu_builtin_replica(model, tok)
-    manager = RolloutManager(ReplicaPool([replica]), pad_id=0)
+    manager = RolloutManager(ReplicaPool([replica]))
     inner = replica.engine
     cfg = load_config([f"actor_rollout_ref.rollout.free_cache_engine={str(free).lower()}"])
     run = SimpleNamespace(colocated=True, rollout=manager, cfg=cfg)  # the three fields rollout_phase reads

@@ -275,7 +275,7 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
     from trainer.rollout.pool import ReplicaPool
 
     group, pool = policy_group(model_dir, nnodes=2, engine=name, context=2048)
-    engine = RolloutManager(ReplicaPool(group.replicas()), pad_id=0)
+    engine = RolloutManager(ReplicaPool(group.replicas()))
     asyncio.run(engine.resume_memory_async(("kv_cache",)))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=5, n=2)
@@ -335,7 +335,7 @@ def test_rollout_servers_take_the_policy_from_a_checkpoint_rank_0_writes(cluster
     args = ("--model", str(model_dir), "--device", "cpu", "--context-length", "64")
     try:
         with service_process("trainer.rollout.server", *args) as (url, _):
-            manager = http_manager([url], pad_id=0)
+            manager = http_manager([url])
             prompts, greedy = [[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_new_tokens=5)
             try:
                 for seed in (1, 2):

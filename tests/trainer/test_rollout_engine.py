@@ -114,7 +114,7 @@ def test_logprobs_agree_with_the_trainers_recomputation(qwen, sampling):
     """Through the rollout manager over the in-process replica, as the trainer uses it."""
     model, tok = qwen
     replica = LocalReplica(EngineWorker(engine_for(model, tok)), with_text=False)
-    manager = RolloutManager(ReplicaPool([replica]), pad_id=tok.pad_token_id)
+    manager = RolloutManager(ReplicaPool([replica]))
     try:
         rollouts = manager.generate(encode(tok), sampling)
     finally:
@@ -152,7 +152,7 @@ def test_async_requests_get_the_tokens_of_one_batch_call_and_one_can_be_cancelle
         # a context long enough that the request cancelled below is still running 50 ms in, on any machine
         engine = engine_for(model, tok, context_length=1024)
         replica = LocalReplica(EngineWorker(engine), with_text=False)
-        return RolloutManager(ReplicaPool([replica]), pad_id=tok.pad_token_id, loop=loop)
+        return RolloutManager(ReplicaPool([replica]), loop=loop)
 
     async def fit_loop():
         manager = manager_on(asyncio.get_running_loop() if home == "fit loop" else None)

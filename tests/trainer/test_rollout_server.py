@@ -192,7 +192,7 @@ def test_http_manager_gives_the_same_rollouts_as_the_engine_in_process(server, m
     tok = models["tok"]
     prompts = encode(tok)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=11)
-    manager = http_manager([server], pad_id=tok.pad_token_id, config_dir=model_dir)
+    manager = http_manager([server], config_dir=model_dir)
     try:
         rollouts = manager.generate(prompts, sampling)
         # the same seeds in process: prompt i is seeded derived_seed(11, i, 0) by the manager, and its sample
@@ -237,7 +237,7 @@ def test_pool_routes_to_the_least_loaded_replica_and_retries_a_dead_ones_request
     tok = models["tok"]
     fast, doomed = local_replica(model, tok, "fast"), local_replica(model, tok, "doomed")
     pool = ReplicaPool([fast, doomed], capacity=4)
-    manager = RolloutManager(pool, pad_id=tok.pad_token_id)
+    manager = RolloutManager(pool)
     prompts = encode(tok) * 2
     sampling = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     try:
@@ -267,7 +267,7 @@ def test_a_replica_that_dies_mid_batch_has_its_requests_retried_elsewhere(models
     # pool splits the 10 prompts between them, so the victim holds running and queued requests when it dies
     with builtin_servers(model_dir, 2, "--max-running-requests", "1", "--context-length", "160") as servers:
         survivor, victim = servers.servers
-        manager = http_manager(servers.urls, pad_id=tok.pad_token_id)
+        manager = http_manager(servers.urls)
 
         async def scenario():
             batch = asyncio.ensure_future(manager.generate_async(prompts, sampling))
@@ -391,16 +391,14 @@ def test_build_rollout_for_each_name(server, models):
             )
             replicas = [replica]
         urls = [server] if name == "sglang" else []
-        manager = build_rollout(
-            name, replicas=replicas, pad_id=tok.pad_token_id, model_path=model_dir, server_urls=urls
-        )
+        manager = build_rollout(name, replicas=replicas, model_path=model_dir, server_urls=urls)
         try:
             asyncio.run(manager.resume_memory_async(KV_CACHE))
             assert [r.response_ids for r in manager.generate(prompts, greedy_sampling)] == expected, name
         finally:
             manager.close()
     with pytest.raises(ValueError, match="needs server URLs"):
-        build_rollout("sglang", pad_id=0, model_path=model_dir)
+        build_rollout("sglang", model_path=model_dir)
 
 
 def test_weight_checkpoints_go_to_the_shared_folder_the_env_names(server, models, tmp_path, monkeypatch):
@@ -415,7 +413,6 @@ def test_weight_checkpoints_go_to_the_shared_folder_the_env_names(server, models
     monkeypatch.setenv("ROLLOUT_WEIGHTS_DIR", str(shared))
     manager = build_rollout(
         "sglang",
-        pad_id=tok.pad_token_id,
         model_path=first_dir,
         server_urls=[server],
         weights_dir=weights_dir_from_env(),
@@ -441,9 +438,7 @@ def test_weight_checkpoints_in_a_temporary_folder_are_removed_at_close(server, m
     from trainer.rollout.manager import build_rollout
 
     first, first_dir = models["first"]
-    manager = build_rollout(
-        "sglang", pad_id=models["tok"].pad_token_id, model_path=first_dir, server_urls=[server]
-    )
+    manager = build_rollout("sglang", model_path=first_dir, server_urls=[server])
     try:
         manager.load_weights(models["second"][0].state_dict())
         written = Path(httpx.get(server + "/get_model_info").json()["model_path"])

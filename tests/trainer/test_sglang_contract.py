@@ -593,7 +593,7 @@ def test_seeded_samples_of_a_prompt_differ_and_repeat(server, models):
     from trainer.rollout.manager import http_manager
 
     tok = models["tok"]
-    manager = http_manager([server], pad_id=tok.pad_token_id)
+    manager = http_manager([server])
     try:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=5)
         group = [r.response_ids for r in manager.generate(encode(tok)[:1], sampling)]

@@ -62,19 +62,17 @@ class RolloutManager:
         self,
         pool: ReplicaPool,
         *,
-        pad_id: int,
         weights_dir: str | None = None,
         config_dir: str | None = None,
         servers=None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        """pad_id: what TrainBatch pads with. weights_dir: where checkpoints for HTTP replicas go
-        (default: a temporary folder, in /dev/shm when it exists). config_dir: the model folder whose
-        config.json (and tokenizer files) such a checkpoint needs when load_weights gets a state dict.
-        servers: launcher.RolloutServers this manager started; close() stops them. loop: the running loop
-        to live on (the fit loop's: its requests then need no other thread); without it the manager runs
-        its own loop on a thread, for blocking callers."""
-        self.pool, self.pad_id = pool, pad_id
+        """weights_dir: where checkpoints for HTTP replicas go (default: a temporary folder, in /dev/shm when
+        it exists). config_dir: the model folder whose config.json (and tokenizer files) such a checkpoint
+        needs when load_weights gets a state dict. servers: launcher.RolloutServers this manager started;
+        close() stops them. loop: the running loop to live on (the fit loop's: its requests then need no
+        other thread); without it the manager runs its own loop on a thread, for blocking callers."""
+        self.pool = pool
         self.servers = servers
         self.config_dir = config_dir
         self._weights_dir = weights_dir
@@ -266,7 +264,6 @@ def _in_process(replica: Replica) -> bool:
 def http_manager(
     urls: Sequence[str],
     *,
-    pad_id: int,
     config_dir: str | None = None,
     token: str | None = None,
     servers=None,
@@ -279,9 +276,7 @@ def http_manager(
     from trainer.rollout.client import HttpReplica
 
     pool = ReplicaPool([HttpReplica(u, token=token) for u in urls])
-    return RolloutManager(
-        pool, pad_id=pad_id, config_dir=config_dir, servers=servers, weights_dir=weights_dir, loop=loop
-    )
+    return RolloutManager(pool, config_dir=config_dir, servers=servers, weights_dir=weights_dir, loop=loop)
 
 
 def server_urls_from_env() -> list[str]:
@@ -306,7 +301,6 @@ def build_rollout(
     name: RolloutName,
     *,
     replicas: Sequence = (),
-    pad_id: int,
     model_path: str,
     server_urls: Sequence[str] = (),
     gpus: Sequence[str] = (),
@@ -326,11 +320,11 @@ def build_rollout(
     --enable-deterministic-inference; servers given by URL are checked by the client instead.
     `weights_dir`: the folder weight checkpoints for the servers are written to (created here).
     `token`: the bearer token sent to the servers (services.auth_token; servers started here listen
-    on loopback only and ask for none). `trust_remote_code` (model.trust_remote_code) and
-    `tokenizer_path` (data.tokenizer): for started servers. `loop`: the running loop the manager lives
-    on (RolloutManager)."""
+    on loopback only and ask for none). `trust_remote_code` (the model's or the tokenizer's) and
+    `tokenizer_path` (data.tokenizer): for started servers. `loop`: the running loop the manager lives on
+    (RolloutManager)."""
     if name in ("hf", "builtin"):
-        return RolloutManager(ReplicaPool(list(replicas)), pad_id=pad_id, loop=loop)
+        return RolloutManager(ReplicaPool(list(replicas)), loop=loop)
     if name == "sglang":
         from trainer.rollout.launcher import sglang_servers
 
@@ -361,7 +355,6 @@ def build_rollout(
             )
         return http_manager(
             list(server_urls),
-            pad_id=pad_id,
             config_dir=model_path,
             token=token,
             servers=servers,
