@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import time
 from collections import defaultdict
 from contextlib import asynccontextmanager
@@ -82,6 +83,8 @@ from trainer.tracking import (
     timer,
     training_flops,
 )
+
+log = logging.getLogger("trainer")
 
 
 class TrainingAborted(RuntimeError):
@@ -188,6 +191,8 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
                 batch = batch.with_fields(values=run.critic.compute_values(batch))
         with timer("adv", timings):
             batch, metrics = compute_advantages(batch, collected.scores.scores, run.advantage, run.kl_ctrl)
+        if warning := no_signal_warning(batch.advantages, collected.scores.scores, step):
+            log.warning(warning)
         if batch.old_logprobs is not None:  # the engine's logprobs vs the trainer's (verl's names)
             metrics |= rollout_logprob_gap(batch.rollout_logprobs, batch.old_logprobs, batch.response_mask)
         if run.critic is not None:
@@ -490,6 +495,19 @@ def compute_advantages(
     else:
         raise ValueError(f"unknown algorithm.adv_estimator {estimator!r}")
     return batch.with_fields(token_scores=token_scores, advantages=advantages, returns=advantages), metrics
+
+
+def no_signal_warning(advantages: torch.Tensor, scores: torch.Tensor, step: int) -> str | None:
+    """A step whose advantages are all 0 learns nothing from its rewards, and nothing else says so: the
+    metrics just read 0. A reward that cannot vary (ground truths in a format the scorer does not read, a
+    parser that never matches) looks like this on every step; a healthy run, on the odd step at most."""
+    if advantages.any():
+        return None
+    return (
+        f"step {step}: every advantage is 0 (every prompt's samples scored alike; mean score "
+        f"{float(scores.mean()):.3g}), so the rewards gave this update no signal: if this repeats, check "
+        "that the reward can vary (the ground truths' format, the answer parser)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ metrics

@@ -23,6 +23,7 @@ from trainer.loop import (
     TrainingAborted,
     collect_batch,
     compute_advantages,
+    no_signal_warning,
     should,
     trainable_groups,
 )
@@ -369,3 +370,19 @@ def test_a_custom_reward_function_gets_dapos_overlong_penalty_as_in_verl(tmp_pat
     shaped = asyncio.run(scorer.score(items, options))
     assert [r.score for r in shaped] == [1.0, 0.5, 0.0]  # 0 up to 16 - 4 tokens, then linear to -1
     assert [r.score for r in asyncio.run(scorer.score(items))] == [1.0, 1.0, 1.0]
+
+
+def test_a_step_whose_groups_all_scored_alike_says_it_learned_nothing():
+    """GRPO over groups that each scored alike: every advantage is 0 and the update gets no signal from
+    the rewards (a reward that cannot vary looks like this on every step). One group that varies is enough
+    to stay quiet."""
+    settings = settings_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=3")
+    batch, scores = batch_of([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    out, _ = compute_advantages(batch, scores, settings, algos.FixedKLController(0.001))
+    warning = no_signal_warning(out.advantages, scores, step=7)
+    assert warning is not None and warning.startswith("step 7: every advantage is 0")
+    assert "mean score 0.5" in warning
+
+    batch, scores = batch_of([[0.0, 0.0, 0.0], [1.0, 0.0, 1.0]])
+    out, _ = compute_advantages(batch, scores, settings, algos.FixedKLController(0.001))
+    assert no_signal_warning(out.advantages, scores, step=7) is None
