@@ -58,10 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.model import ModelUnavailable
     from trainer.rewards import RewardErrors
 
-    stops = (loop.TrainingAborted, ServiceError, PromptTooLongError, CheckpointWriteError, CheckpointError)
     try:
         loop.fit(config)
-    except (*stops, RewardErrors, ModelUnavailable) as exc:
+    except (
+        loop.TrainingAborted,
+        ServiceError,
+        PromptTooLongError,
+        CheckpointWriteError,
+        CheckpointError,
+        RewardErrors,
+        ModelUnavailable,
+    ) as exc:
         # A service that never became healthy or stayed down, a checkpoint folder that turned unwritable,
         # rewards that could not be computed, a model not on disk offline, a checkpoint that cannot be
         # resumed: one line, no traceback.

@@ -43,7 +43,7 @@ def sglang_command(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """deterministic_inference: seeded sampling (batch-invariant kernels, at some cost in throughput).
-    trust_remote_code: the model's own code may run (model.trust_remote_code). tokenizer_path: a tokenizer
+    trust_remote_code: the model's or the tokenizer's own code may run. tokenizer_path: a tokenizer
     other than the model's (data.tokenizer: the one the driver tokenizes prompts with)."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size), "--dtype", "bfloat16"]
