@@ -5,8 +5,12 @@ At hidden sizes of 1-2k (Qwen2.5-0.5B / 1.5B) a Hugging Face decoder layer is do
 take as long as the matmuls. Compiling fuses them. Two things are compiled:
 
 - each decoder layer's `forward` (`compile_decoder_layers`): one compiled function shared by every
-  layer, so it compiles once, with dynamic shapes (a packed micro-batch has a different token count
-  every time). The attention call inside stays eager (`torch.compiler.disable` on our packed-attention
+  layer. Only the token dimension is symbolic from the start (marked before every call: a packed
+  micro-batch has a different token count every time), the sequence count and the longest sequence
+  after the first real micro-batch (one recompile, torch.compile's automatic dynamic shapes); the hidden
+  and intermediate sizes stay constants. With every size symbolic (`dynamic=True`, until 2026-11-29) the
+  SiLU-and-multiply kernel ran at 3.0 TB/s on an H200 against 4.3 TB/s, and the update took 6% longer
+  (BENCHMARKS.md). The attention call inside stays eager (`torch.compiler.disable` on our packed-attention
   function): variable-length flash attention is already one kernel, and keeping it out of the graph
   keeps the graph independent of torch's varlen API. FSDP2's hooks sit on the module's __call__, outside
   the compiled forward; gradient checkpointing wraps __call__ too.
@@ -98,8 +102,26 @@ _COMPILED: dict[tuple[type, object], Callable] = {}
 def _compiled_forward(layer_class: type, backend) -> Callable:
     key = (layer_class, backend)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(layer_class.forward, dynamic=True, backend=backend)
+        compiled = torch.compile(layer_class.forward, dynamic=None, backend=backend)
+
+        def forward(self, *args, **kwargs):
+            _mark_token_dims(args[0] if args else kwargs["hidden_states"], (*args, *kwargs.values()))
+            return compiled(self, *args, **kwargs)
+
+        _COMPILED[key] = forward
     return _COMPILED[key]
+
+
+def _mark_token_dims(hidden_states: torch.Tensor, values) -> None:
+    """Mark the token dimension symbolic: hidden_states' second to last, and every argument's dimension
+    of the same size (positions, rotary tables), so a new token count reuses the compiled code."""
+    tokens = hidden_states.shape[-2]
+    for value in values:
+        for tensor in value if isinstance(value, tuple) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                for dim, size in enumerate(tensor.shape):
+                    if size == tokens:
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class _Captured(Exception):
