@@ -251,3 +251,32 @@ def test_weight_grad_accumulates_in_the_matmul_on_cuda():
     rounded = sum((g.T @ h).float() for g, h in zip(grads, hidden))
     assert (total - expected).abs().max() <= (rounded - expected).abs().max()
     torch.testing.assert_close(total, expected, atol=0.05, rtol=0.01)
+
+
+@pytest.mark.gpu
+def test_inductor_compiled_layers_match_eager_and_compile_no_more_after_the_first_batch(base_model):
+    """CUDA, inductor (what GPU runs compile with): micro-batches of other token and sequence counts give
+    the eager logprobs and gradients under bf16 autocast and compile nothing after the first."""
+    eager, compiled = (copy.deepcopy(base_model).cuda() for _ in range(2))
+    for model in (eager, compiled):
+        use_packed_attention(model)
+    torch._dynamo.reset()
+    assert compile_model(compiled, device=torch.device("cuda"), dtype=None, autocast_dtype=torch.bfloat16)
+    counters = torch._dynamo.utils.counters["stats"]
+
+    def forward_backward(model, batch):
+        with torch.autocast("cuda", torch.bfloat16):
+            out = response_logprobs(model, batch, temperature=1.0, with_entropy=False, head=FUSED)
+        out.logprobs.float().sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return out.logprobs.detach().float(), grads
+
+    for rows, seed in ((6, 1), (3, 2), (9, 3)):
+        batch = make_batch(rows, seed).to("cuda")
+        (want, want_grads), (got, got_grads) = (forward_backward(m, batch) for m in (eager, compiled))
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+        assert torch.nn.functional.cosine_similarity(got_grads, want_grads, dim=0) > 0.999
+        if rows == 6:
+            graphs_after_first = counters["unique_graphs"]
+    assert counters["unique_graphs"] == graphs_after_first
