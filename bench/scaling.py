@@ -81,6 +81,9 @@ REPORTED = (
     "num_turns/mean",
     "tool/errors",
     "timing_s/tool_calls/search",
+    "gpu/sm_clock_mhz",  # the case's GPUs while it ran (GpuSampler): a hot, power-capped card clocks lower
+    "gpu/power_w",
+    "gpu/temperature_c_max",
 )
 SWITCHES = {"on": "true", "off": "false"}
 SEARCH_RESULT_TOKENS = QWEN_SEARCH_RESULT_TOKENS  # of each search result: what the models are taught
@@ -445,6 +448,47 @@ def gpus_idle(timeout_s: float = 60.0) -> None:
         time.sleep(1.0)
 
 
+class GpuSampler:
+    """nvidia-smi's SM clock, power draw and temperature of every GPU once a second while a case runs.
+
+    Same code, same card, and an update ran 10-20% slower on real than on zero gradients, and slowed step
+    by step in a second run straight after a first (BENCHMARKS.md, 2026-11-29): the clocks say which run
+    met a hotter card. Nothing is sampled where nvidia-smi is missing (CPU runs)."""
+
+    QUERY = "--query-gpu=clocks.sm,power.draw,temperature.gpu"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.process: subprocess.Popen | None = None
+        with open(path, "w") as out, contextlib.suppress(OSError):  # the child writes to its own copy
+            self.process = subprocess.Popen(
+                ["nvidia-smi", self.QUERY, "--format=csv,noheader,nounits", "-l", "1"],
+                stdout=out,
+                stderr=subprocess.DEVNULL,
+            )
+
+    def stop(self) -> dict[str, float]:
+        """The medians of the clock and power and the hottest reading, over the later half of the samples
+        (the first half is mostly loading and compiling)."""
+        if self.process is None:
+            return {}
+        self.process.terminate()
+        self.process.wait()
+        rows = []
+        for line in self.path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append([float(field) for field in line.split(",")])
+        rows = [row for row in rows[len(rows) // 2 :] if len(row) == 3]
+        if not rows:
+            return {}
+        clock, power, temperature = zip(*rows)
+        return {
+            "gpu/sm_clock_mhz": statistics.median(clock),
+            "gpu/power_w": statistics.median(power),
+            "gpu/temperature_c_max": max(temperature),
+        }
+
+
 # ------------------------------------------------------------------------------ running the cases
 
 
@@ -462,6 +506,7 @@ class Runner:
             self.env["RAY_ADDRESS"] = ray_address
         self.total_gpus = max(int(w) for w in args.gpus.split(","))
         self.running: dict[int, tuple[Case, subprocess.Popen, object]] = {}
+        self.samplers: dict[int, GpuSampler] = {}
 
     def remaining(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
@@ -477,6 +522,8 @@ class Runner:
             for _, process, _ in self.running.values():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
+            for sampler in self.samplers.values():
+                sampler.stop()
 
     def _start_what_fits(self, waiting: list[Case]) -> bool:
         busy = sum(case.world for case, _, _ in self.running.values())
@@ -517,6 +564,8 @@ class Runner:
         )
         case.status, case.started = "running", time.monotonic()
         self.running[process.pid] = (case, process, log)
+        if not self.args.parallel:  # cases side by side share the GPUs' samples: none are taken then
+            self.samplers[process.pid] = GpuSampler(run_dir / "gpu.csv")
         print(f"[bench] {case.label}: started ({len(self.running)} running)", flush=True)
 
     def _wait_one(self) -> None:
@@ -536,6 +585,8 @@ class Runner:
     def _finish(self, pid: int) -> None:
         case, process, log = self.running.pop(pid)
         log.close()
+        sampler = self.samplers.pop(pid, None)
+        telemetry = sampler.stop() if sampler else {}
         case.wall_s = time.monotonic() - case.started
         run_dir = self.args.out / case.slug
         if (run_dir / "driver.json").exists():  # compressed beside the logs (the raw samples run to ~20 MB)
@@ -545,7 +596,7 @@ class Runner:
             ):
                 shutil.copyfileobj(raw, out)
         if process.returncode == 0 and (run_dir / "metrics.jsonl").exists():
-            case.result, case.status = summarise(run_dir), "done"
+            case.result, case.status = summarise(run_dir) | telemetry, "done"
         elif case.status != "timed out":
             case.status = f"failed (exit {process.returncode})"
         print(f"[bench] {case.label}: {case.status} after {case.wall_s:.0f} s", flush=True)
