@@ -72,30 +72,39 @@ def optim():
     )
 
 
-def loss_settings(mode: str) -> PolicyLossSettings:
+def loss_settings(mode: str, entropy: float = 0.01, skip: bool = False) -> PolicyLossSettings:
     return PolicyLossSettings(
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
         loss_agg_mode=mode,
-        entropy_coeff=0.01,
+        entropy_coeff=entropy,
         use_kl_loss=False,
         kl_loss_coef=0.0,
         kl_loss_type="low_var_kl",
+        skip_zero_advantage_rows=skip,
     )
 
 
 def policy_settings(
-    model_dir, mode="token-mean", engine=None, remove_padding=True, budget=None, context=64
+    model_dir,
+    mode="token-mean",
+    engine=None,
+    remove_padding=True,
+    budget=None,
+    context=64,
+    entropy=0.01,
+    skip=False,
 ) -> PolicyRankSettings:
     """engine: the colocated engine's name (builtin, hf), None for none; budget: use_dynamic_bsz's
-    tokens per micro-batch (update and logprobs), None for sequence counts."""
+    tokens per micro-batch (update and logprobs), None for sequence counts; entropy, skip: the loss's
+    entropy_coeff and skip_zero_advantage_rows."""
     tokens = TokenBudget(budget) if budget else None
     return PolicyRankSettings(
         model=ModelSettings(path=str(model_dir), remove_padding=remove_padding, fsdp=FSDPSettings()),
         optim=optim(),
         update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH, token_budget=tokens),
-        loss=loss_settings(mode),
+        loss=loss_settings(mode, entropy, skip),
         log_prob_micro_batch_size=tokens or 2,
         engine=EngineSettings(name=engine, context_length=context) if engine else None,
     )
@@ -154,8 +163,8 @@ def make_batch(seed: int, rows: int = 8) -> TrainBatch:
     return batch.with_fields(old_logprobs=(-2.0 + noise) * batch.response_mask, advantages=advantages)
 
 
-def local_policy(model_dir, mode: str, checkpoint=None, budget=None) -> Policy:
-    settings = policy_settings(model_dir, mode, budget=budget)
+def local_policy(model_dir, mode: str, checkpoint=None, budget=None, **loss) -> Policy:
+    settings = policy_settings(model_dir, mode, budget=budget, **loss)
     policy = Policy(
         load_policy(str(model_dir)),
         settings.optim,
@@ -225,6 +234,34 @@ def test_token_budget_micro_batches_on_two_ranks_give_the_update_of_one_process(
         probe = make_batch(seed=7)
         torch.testing.assert_close(
             group.compute_logprobs(probe).logprobs, single.compute_logprobs(probe).logprobs, atol=1e-4, rtol=0
+        )
+    finally:
+        close(group, pool)
+
+
+def test_two_ranks_skipping_zero_advantage_rows_give_the_full_update_of_one_process(
+    cluster, model_dir, tmp_path
+):
+    """In the first mini-batch only rank 0's two rows have signal: rank 1 trains two rows without (each
+    micro-batch's forward and backward are collectives); none of the second has: each rank trains one
+    row, and AdamW steps as the full update's. Against one process that trains every row."""
+    group, pool = policy_group(model_dir, nnodes=2, entropy=0.0, skip=True)
+    try:
+        group.save(str(tmp_path / "start"))
+        full = local_policy(model_dir, "token-mean", checkpoint=tmp_path / "start", entropy=0.0)
+        batch = make_batch(seed=3)
+        tokens = (batch.prompt_lengths + batch.response_lengths).tolist()
+        rank_0_first = shard_rows(tokens, 2, MINI_BATCH)[0][: MINI_BATCH // 2]  # its rows of rows 0-3
+        advantages = torch.zeros_like(batch.advantages)
+        advantages[rank_0_first] = batch.advantages[rank_0_first]
+        batch = batch.with_fields(advantages=advantages)
+        skipped, expected = group.update(batch), full.update(batch)
+        for name in ("actor/pg_loss", "actor/grad_norm"):
+            assert skipped[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        assert expected["actor/grad_norm"] > 0
+        probe = make_batch(seed=7)
+        torch.testing.assert_close(
+            group.compute_logprobs(probe).logprobs, full.compute_logprobs(probe).logprobs, atol=1e-4, rtol=0
         )
     finally:
         close(group, pool)

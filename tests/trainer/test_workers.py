@@ -133,6 +133,61 @@ def with_training_fields(batch: TrainBatch, model, seed=1) -> TrainBatch:
     )
 
 
+def without_signal(batch: TrainBatch, rows) -> TrainBatch:
+    """`rows` with all-zero advantages, as GRPO gives a group whose rewards are all equal."""
+    advantages = batch.advantages.clone()
+    advantages[list(rows)] = 0.0
+    return batch.with_fields(advantages=advantages)
+
+
+def update_counting_tokens(policy: Policy, batch: TrainBatch) -> tuple[dict, torch.Tensor, int]:
+    """(metrics, the parameters after, the token positions the update's forwards embedded)."""
+    embedded = []
+    hook = policy.model.get_input_embeddings().register_forward_hook(
+        lambda _module, args, _out: embedded.append(args[0].numel())
+    )
+    try:
+        metrics = policy.update(batch)
+    finally:
+        hook.remove()
+    return metrics, flat_params(policy.model), sum(embedded)
+
+
+@pytest.mark.parametrize(
+    "mini, micro, rows",
+    [(8, 8, (0, 1, 4, 5)), (4, 2, (0, 1, 4, 5)), (4, 1, (0, 1, 2, 3)), (8, 3, range(8))],
+)
+def test_skipping_zero_advantage_rows_gives_the_same_update_from_fewer_rows(base_model, mini, micro, rows):
+    """A loss of the policy term alone: rows whose advantages are all 0 add exactly 0 to the gradient, so
+    the update without them is the update with them (the loss keeps the whole mini-batch's denominators).
+    A mini-batch with no signal at all (rows 0-3 in the third case, every row in the last) trains one row:
+    AdamW still steps every parameter (weight decay, moments) as the full update does."""
+    batch = without_signal(with_training_fields(make_batch(seed=4), base_model), rows)
+    results = []
+    for skip in (False, True):
+        policy = policy_of(
+            fresh(base_model), mini=mini, micro=micro, loss=loss_settings(skip_zero_advantage_rows=skip)
+        )
+        results.append(update_counting_tokens(policy, batch))
+    (full, full_params, full_tokens), (skipped, skipped_params, skipped_tokens) = results
+    assert skipped_tokens < full_tokens
+    # as the micro-batch invariance test: fp32 summation order differs, AdamW magnifies it on near-zero
+    # gradient entries; a missing row or a wrong denominator is off by O(10%)
+    start = flat_params(base_model)
+    delta_full, delta_skipped = full_params - start, skipped_params - start
+    assert delta_full.norm() > 1e-5  # weight decay alone, where no row has signal
+    assert (delta_skipped - delta_full).norm() / delta_full.norm() < 1e-4
+    for name in ("actor/pg_loss", "actor/grad_norm"):
+        assert skipped[name] == pytest.approx(full[name], rel=1e-5, abs=1e-7), name
+
+
+def test_rows_are_skipped_only_when_the_loss_is_the_policy_term_alone():
+    assert loss_settings(skip_zero_advantage_rows=True).skips_zero_advantage_rows
+    assert not loss_settings(skip_zero_advantage_rows=True, use_kl_loss=True).skips_zero_advantage_rows
+    assert not loss_settings(skip_zero_advantage_rows=True, entropy_coeff=0.01).skips_zero_advantage_rows
+    assert not loss_settings().skips_zero_advantage_rows
+
+
 def naive_logprobs(model, batch, temperature):
     logits = (
         model(

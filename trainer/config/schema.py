@@ -285,6 +285,13 @@ class ActorConfig(Section):
         "attention call stays eager); a layer that fails to compile runs eagerly. CPU runs stay eager.",
     )
     use_kl_loss: bool = Field(False, description="Add KL(policy || reference) to the loss (GRPO style).")
+    skip_zero_advantage_rows: bool = Field(
+        True,
+        description="Not verl's. When the loss is the policy term alone (no KL loss, entropy_coeff 0), "
+        "the update skips the forward and backward of rows whose advantages are all 0 (a GRPO group "
+        "whose rewards are all equal): their gradient is exactly 0, and the loss keeps its denominators, "
+        "so the update is the same; pg_clipfrac, ppo_kl and entropy are then over the trained rows.",
+    )
     kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss.")
     kl_loss_type: KLType = Field(
         "low_var_kl", description="KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3."

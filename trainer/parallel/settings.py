@@ -176,4 +176,5 @@ def policy_loss_settings(actor) -> PolicyLossSettings:
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
         max_response_len=actor.loss_scale_factor,
+        skip_zero_advantage_rows=actor.skip_zero_advantage_rows,
     )

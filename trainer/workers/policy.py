@@ -50,6 +50,13 @@ class PolicyLossSettings:
     kl_loss_coef: float
     kl_loss_type: KLKind
     max_response_len: int | None = None  # seq-mean-token-sum-norm's constant; None: the batch's T
+    skip_zero_advantage_rows: bool = False  # applies only to a loss of the policy term alone
+
+    @property
+    def skips_zero_advantage_rows(self) -> bool:
+        """Whether rows with all-zero advantages add nothing to the gradient: with a KL or entropy term
+        they would."""
+        return self.skip_zero_advantage_rows and not self.use_kl_loss and self.entropy_coeff == 0
 
 
 class Policy(TrainedModel):
@@ -112,7 +119,11 @@ class Policy(TrainedModel):
     def train_mini_batch(self, mini_batch: TrainBatch) -> MiniBatchMetrics:
         """Accumulate the micro-batches' gradients (the optimizer step is the caller's)."""
         denominators = global_denominators(mini_batch, self.loss.max_response_len, self.dp)
-        metrics = MiniBatchMetrics(denominators["num_tokens"], LOSS_METRICS)
+        trained_tokens = denominators["num_tokens"]
+        if self.loss.skips_zero_advantage_rows:  # the denominators stay the whole mini-batch's
+            mini_batch = rows_with_signal(mini_batch, self.dp)
+            trained_tokens = max(self.dp.sum_floats(float(mini_batch.response_mask.sum()))[0], 1.0)
+        metrics = MiniBatchMetrics(trained_tokens, LOSS_METRICS)
         for micro in self.micro_batches(mini_batch):
             with self.autocast():
                 out = response_logprobs(
@@ -127,6 +138,21 @@ class Policy(TrainedModel):
             terms.pop("total").backward()
             metrics.add(terms, tokens=micro.response_mask.sum())
         return metrics
+
+
+def rows_with_signal(mini_batch: TrainBatch, dp: DataParallel = SINGLE_PROCESS) -> TrainBatch:
+    """The rows whose advantages are not all zero, in order, for a loss of the policy term alone: the
+    PPO term of a token is -A * ratio (clipped), so a row with A = 0 everywhere has exactly zero gradient
+    and needs no forward or backward. Every rank trains the same number of rows (under FSDP each micro-
+    batch's forward and backward are collectives), a rank with fewer rows with signal filling up with
+    rows without; and at least one row, so that every parameter gets its (zero) gradient and AdamW steps
+    as it would have (a parameter without a gradient is not stepped at all)."""
+    signal = ((mini_batch.advantages != 0) & mini_batch.response_mask.bool()).any(dim=1).tolist()
+    wanted = dp.max_int(max(sum(signal), 1))
+    if wanted >= len(mini_batch):
+        return mini_batch
+    first = sorted(range(len(mini_batch)), key=lambda row: not signal[row])  # stable: rows with signal first
+    return mini_batch.select(sorted(first[:wanted]))
 
 
 def policy_loss_terms(
