@@ -122,7 +122,7 @@ class Policy(TrainedModel):
         trained_tokens = denominators["num_tokens"]
         if self.loss.skips_zero_advantage_rows:  # the denominators stay the whole mini-batch's
             mini_batch = rows_with_signal(mini_batch, self.dp)
-            trained_tokens = max(self.dp.sum_floats(float(mini_batch.response_mask.sum()))[0], 1.0)
+            (trained_tokens,) = self.dp.sum_floats(float(mini_batch.response_mask.sum()))
         metrics = MiniBatchMetrics(trained_tokens, LOSS_METRICS)
         for micro in self.micro_batches(mini_batch):
             with self.autocast():
