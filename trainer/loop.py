@@ -254,7 +254,7 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
     generate again until the batch is full."""
     plan, kept, rounds, errors, tool_batches = run.plan, [], 0, 0, []
     sampled, first_error, error_fraction = 0, None, 0.0
-    async with rollout_phase(run):
+    async with rollout_phase(run, timings):
         while len(kept) < plan.prompts:
             rounds += 1
             if plan.group_filter and 0 < plan.group_filter.max_rounds < rounds:
@@ -268,7 +268,8 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
             sampling = dataclasses.replace(
                 run.sampling, seed=derived_seed(run.cfg.trainer.seed, step, rounds, TRAINING)
             )
-            prompts = (await run.source.next_batch(plan.prompts_per_round)).prompts
+            with timer("data", timings):
+                prompts = (await run.source.next_batch(plan.prompts_per_round)).prompts
             groups, tools = await generate_groups(run, prompts, sampling, timings)
             errors += sum(g.errors for g in groups)
             sampled += sum(len(g.scores) for g in groups)
@@ -278,13 +279,15 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
             )
             tool_batches += [tools] if tools is not None else []
             kept += trainable_groups(groups, plan, tools)[: plan.prompts - len(kept)]
-    rollouts = [dataclasses.replace(r, prompt_index=i) for i, g in enumerate(kept) for r in g.rollouts]
-    batch = TrainBatch.from_rollouts(rollouts, run.pad_id, data_sources=[g.prompt.data_source for g in kept])
-    scores = Scores(
-        torch.tensor([s for g in kept for s in g.scores], dtype=torch.float32),
-        torch.tensor([c for g in kept for c in g.correct], dtype=torch.float32),
-        errors,
-    )
+    with timer("batch", timings):
+        rollouts = [dataclasses.replace(r, prompt_index=i) for i, g in enumerate(kept) for r in g.rollouts]
+        sources = [g.prompt.data_source for g in kept]
+        batch = TrainBatch.from_rollouts(rollouts, run.pad_id, data_sources=sources)
+        scores = Scores(
+            torch.tensor([s for g in kept for s in g.scores], dtype=torch.float32),
+            torch.tensor([c for g in kept for c in g.correct], dtype=torch.float32),
+            errors,
+        )
     metrics = {
         "train/num_gen_batches": float(rounds),
         "reward/accuracy": float(scores.correct.mean()),
@@ -334,14 +337,16 @@ def trainable_groups(
 
 
 @asynccontextmanager
-async def rollout_phase(run: Run):
+async def rollout_phase(run: Run, timings: dict[str, float]):
     """The colocated engines hold their KV caches only while rollouts are generated: the log-prob and
     update passes after it have that memory back (SGLang's release / resume of the "kv_cache" tag).
-    With rollout.free_cache_engine=false they keep them from the first phase on (resume is then a no-op)."""
+    With rollout.free_cache_engine=false they keep them from the first phase on (resume is then a no-op).
+    timing_s/kv_memory: the resume and the release."""
     if not run.colocated:
         yield
         return
-    await run.rollout.resume_memory_async(KV_CACHE)
+    with timer("kv_memory", timings):
+        await run.rollout.resume_memory_async(KV_CACHE)
     free = run.cfg.actor_rollout_ref.rollout.free_cache_engine
     try:
         yield
@@ -351,7 +356,8 @@ async def rollout_phase(run: Run):
                 await run.rollout.release_memory_async(KV_CACHE)
         raise
     if free:
-        await run.rollout.release_memory_async(KV_CACHE)
+        with timer("kv_memory", timings):
+            await run.rollout.release_memory_async(KV_CACHE)
 
 
 async def generate_groups(
@@ -562,7 +568,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     samples: list[dict] = []
     dropped, errors, scored, first_error = 0, 0, 0, None
     sampling = dataclasses.replace(run.val_sampling, seed=derived_seed(cfg.trainer.seed, step, 0, VALIDATION))
-    async with rollout_phase(run):
+    async with rollout_phase(run, {}):
         async for batch in run.source.validation_batches(cfg.data.val_batch_size):
             groups, _ = await generate_groups(run, batch.prompts, sampling, {})
             for group in groups:

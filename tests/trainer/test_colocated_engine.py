@@ -144,10 +144,11 @@ def test_the_fit_loop_frees_the_kv_cache_after_each_rollout_phase_only_when_aske
     run = SimpleNamespace(colocated=True, rollout=manager, cfg=cfg)  # the three fields rollout_phase reads
 
     async def two_phases() -> list:
-        caches = []
+        caches, timings = [], {}
         for _ in range(2):
-            async with rollout_phase(run):
+            async with rollout_phase(run, timings):
                 caches.append(inner.cache)
+        assert timings["kv_memory"] > 0  # timing_s/kv_memory: the resume and the release
         return caches
 
     try:

@@ -48,6 +48,11 @@ def test_builtin_engine_trains_and_logs_its_logprob_gap(tiny_model, seven_data, 
         assert metrics["training/rollout_probs_diff_valid"] == 1.0
         # the engine's logprobs match the trainer's (fp32, CPU)
         assert metrics["training/rollout_probs_diff_mean"] < 1e-4
+        # the step's phases, the driver's own included (prompts, KV resume/release, the padded batch),
+        # are parts of timing_s/step, none counted twice
+        phases = {k: v for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"}
+        assert {"timing_s/data", "timing_s/kv_memory", "timing_s/batch"} <= set(phases)
+        assert sum(phases.values()) <= metrics["timing_s/step"]
     # the gap stays small at step 2: the engine got the updated weights (a stale engine would drift)
     assert steps[1]["training/rollout_logprob_diff_mean"] < 1e-4
 
