@@ -270,7 +270,9 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
             )
             with timer("data", timings):
                 prompts = (await run.source.next_batch(plan.prompts_per_round)).prompts
-            groups, tools = await generate_groups(run, prompts, sampling, timings)
+            # a first round that trains on every group whatever its scores: padded while they are scored
+            pad_now = rounds == 1 and plan.group_filter is None and not plan.drop_failed_tool_groups
+            groups, tools, padded = await generate_groups(run, prompts, sampling, timings, pad=pad_now)
             errors += sum(g.errors for g in groups)
             sampled += sum(len(g.scores) for g in groups)
             first_error = first_error or next((g.first_error for g in groups if g.first_error), None)
@@ -279,10 +281,11 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
             )
             tool_batches += [tools] if tools is not None else []
             kept += trainable_groups(groups, plan, tools)[: plan.prompts - len(kept)]
-    with timer("batch", timings):
-        rollouts = [dataclasses.replace(r, prompt_index=i) for i, g in enumerate(kept) for r in g.rollouts]
-        sources = [g.prompt.data_source for g in kept]
-        batch = TrainBatch.from_rollouts(rollouts, run.pad_id, data_sources=sources)
+    with timer("batch", timings):  # what padding was left after the scoring, if it ran beside it
+        if padded is not None and rounds == 1 and len(kept) == len(groups):  # kept is the round's groups
+            batch = await padded
+        else:
+            batch = padded_batch(run.pad_id, [(g.prompt, g.rollouts) for g in kept])
         scores = Scores(
             torch.tensor([s for g in kept for s in g.scores], dtype=torch.float32),
             torch.tensor([c for g in kept for c in g.correct], dtype=torch.float32),
@@ -298,6 +301,14 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
     if tool_batches:  # multi-turn: turns, tool calls and search errors of every trajectory generated
         metrics |= AgentBatch.merged(tool_batches).metrics()
     return Collected(batch, scores, kept, metrics)
+
+
+def padded_batch(pad_id: int, groups: list[tuple[PromptRecord, list[Rollout]]]) -> TrainBatch:
+    """The step's batch: each group's rollouts, re-indexed by the group's place (TrainBatch.group_ids)."""
+    rollouts = [dataclasses.replace(r, prompt_index=i) for i, (_, group) in enumerate(groups) for r in group]
+    return TrainBatch.from_rollouts(
+        rollouts, pad_id, data_sources=[prompt.data_source for prompt, _ in groups]
+    )
 
 
 def trainable_groups(
@@ -361,17 +372,29 @@ async def rollout_phase(run: Run, timings: dict[str, float]):
 
 
 async def generate_groups(
-    run: Run, prompts: list[PromptRecord], sampling: SamplingParams, timings: dict[str, float]
-) -> tuple[list[PromptGroup], AgentBatch | None]:
+    run: Run,
+    prompts: list[PromptRecord],
+    sampling: SamplingParams,
+    timings: dict[str, float],
+    *,
+    pad: bool = False,
+) -> tuple[list[PromptGroup], AgentBatch | None, asyncio.Future[TrainBatch] | None]:
     """One generation round: n samples of every prompt, each prompt's group scored as soon as its samples
-    are back (timing_s/gen: until the last sample; timing_s/reward: the scoring left after it)."""
+    are back (timing_s/gen: until the last sample; timing_s/reward: the scoring left after it). pad: the
+    round's groups are the step's batch whatever their scores: it is padded on a thread while the last
+    groups are scored, which a reward-server's answer or a tokenizer's decoding (both off the GIL) leave
+    room for; the third value is that batch to come (else None)."""
     scoring = GroupScoring(run, [PromptGroup(prompt) for prompt in prompts])
     started = time.perf_counter()
     tools = await generate(run, [p.prompt_ids for p in prompts], sampling, scoring.add, timings)
     timings["gen"] = timings.get("gen", 0.0) + scoring.last_sample - started
+    padded = None
+    if pad and prompts and len(scoring.arrived) == len(prompts):
+        rows = [(prompt, scoring.arrived[index]) for index, prompt in enumerate(prompts)]
+        padded = asyncio.ensure_future(asyncio.to_thread(padded_batch, run.pad_id, rows))
     await scoring.finish()
     timings["reward"] = timings.get("reward", 0.0) + max(0.0, time.perf_counter() - scoring.last_sample)
-    return scoring.groups, tools
+    return scoring.groups, tools, padded
 
 
 class GroupScoring:
@@ -383,6 +406,7 @@ class GroupScoring:
 
     def __init__(self, run: Run, groups: list[PromptGroup]) -> None:
         self.run, self.groups = run, groups
+        self.arrived: dict[int, list[Rollout]] = {}  # each group's rollouts as they came back
         self.last_sample = time.perf_counter()
         self._waiting: list[tuple[int, list[Rollout]]] = []
         self._scoring: asyncio.Task | None = None
@@ -390,6 +414,7 @@ class GroupScoring:
     async def add(self, index: int, rollouts: list[Rollout]) -> None:
         """The on_group callback: prompt `index`'s rollouts are all back."""
         self.last_sample = time.perf_counter()
+        self.arrived[index] = rollouts
         self._waiting.append((index, rollouts))
         if self._scoring is None or self._scoring.done():  # else the running scorer takes them next
             if self._scoring is not None:
@@ -570,7 +595,7 @@ async def validate(run: Run, step: int) -> dict[str, float]:
     sampling = dataclasses.replace(run.val_sampling, seed=derived_seed(cfg.trainer.seed, step, 0, VALIDATION))
     async with rollout_phase(run, {}):
         async for batch in run.source.validation_batches(cfg.data.val_batch_size):
-            groups, _ = await generate_groups(run, batch.prompts, sampling, {})
+            groups, _, _ = await generate_groups(run, batch.prompts, sampling, {})
             for group in groups:
                 if not group.rollouts:  # dropped for a failed tool call (drop_group): cut short, unscored
                     dropped += 1

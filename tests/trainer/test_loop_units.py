@@ -23,7 +23,9 @@ from trainer.loop import (
     TrainingAborted,
     collect_batch,
     compute_advantages,
+    generate_groups,
     no_signal_warning,
+    padded_batch,
     should,
     trainable_groups,
 )
@@ -386,3 +388,56 @@ def test_a_step_whose_groups_all_scored_alike_says_it_learned_nothing():
     batch, scores = batch_of([[0.0, 0.0, 0.0], [1.0, 0.0, 1.0]])
     out, _ = compute_advantages(batch, scores, settings, algos.FixedKLController(0.001))
     assert no_signal_warning(out.advantages, scores, step=7) is None
+
+
+class ReversedAgent:
+    """Every group back, the last prompt's first, each prompt's responses its own (index + 10, longer
+    for later prompts): what a padded batch must put in prompt order."""
+
+    async def generate(self, prompt_ids, sampling, on_group=None) -> AgentBatch:
+        for index in reversed(range(len(prompt_ids))):
+            response = [index + 10] * (index + 1)
+            rollouts = [
+                dataclasses.replace(
+                    rollout(index),
+                    response_ids=response,
+                    logprobs=[-0.5] * len(response),
+                    loss_mask=[1] * len(response),
+                )
+                for _ in range(sampling.n)
+            ]
+            await on_group(index, rollouts)
+        return tool_batch(len(prompt_ids), sampling.n, set())
+
+
+class SlowScorer(CountingScorer):
+    async def score(self, items, options=None) -> list[RewardResult]:
+        await asyncio.sleep(0.05)  # a reward-server's round trip: the batch is padded meanwhile
+        return await super().score(items, options)
+
+
+def test_a_round_kept_whole_is_padded_while_it_is_scored_into_the_same_batch():
+    run = fake_run([], "data.train_batch_size=3", "actor_rollout_ref.rollout.multi_turn.tool_failure=text")
+    run.agent, run.scorer = ReversedAgent(), SlowScorer()
+    assert not run.plan.drop_failed_tool_groups and run.plan.group_filter is None
+    prompts = [prompt_record(str(uid)) for uid in range(3)]
+
+    async def one_round():
+        groups, _, padded = await generate_groups(run, prompts, run.sampling, {}, pad=True)
+        assert padded is not None  # started beside the scoring
+        return groups, await padded
+
+    groups, early = asyncio.run(one_round())
+    late = padded_batch(0, [(g.prompt, g.rollouts) for g in groups])  # from the scored groups, in order
+    for field in ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "group_ids"):
+        assert torch.equal(getattr(early, field), getattr(late, field)), field
+    assert early.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert early.responses[:, 0].tolist() == [10, 10, 11, 11, 12, 12]
+
+    collected = asyncio.run(collect_batch(run, 1, {}))  # the step's path takes that batch
+    assert [g.prompt.uid for g in collected.groups] == ["0", "1", "2"]
+    assert torch.equal(
+        collected.batch.input_ids,
+        padded_batch(0, [(g.prompt, g.rollouts) for g in collected.groups]).input_ids,
+    )
+    assert collected.batch.responses[:, 0].tolist() == [10, 10, 11, 11, 12, 12]
