@@ -184,3 +184,46 @@ def test_which_engine_generates(name, device, engine):
         ]
     else:
         assert notices == []
+
+
+@pytest.mark.parametrize("name", ["auto", "builtin"])
+def test_a_model_the_builtin_engine_refuses_generates_with_hf_only_under_auto(name, tmp_path, caplog):
+    # Llama 3's scaled RoPE (here linear scaling on a tiny Qwen2) is outside what the built-in engine runs
+    from testing.tiny import load_tiny_tokenizer, make_tiny_model, tiny_qwen2_config
+    from trainer.model import load_policy
+    from trainer.parallel.settings import engine_settings
+    from trainer.rollout.hf_engine import HFReplica
+
+    tok = load_tiny_tokenizer("char")
+    config = tiny_qwen2_config(vocab=len(tok))
+    config.rope_parameters = {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}
+    path = make_tiny_model(tmp_path / "scaled_rope", config=config)
+    model = load_policy(str(path), device=torch.device("cpu"))
+    rollout = load_config([f"actor_rollout_ref.rollout.name={name}"], check=False).actor_rollout_ref.rollout
+    rollout.prompt_length, rollout.response_length = 32, 8
+
+    def replica():
+        return colocated_replica(
+            engine_settings(rollout),
+            model,
+            tok,
+            device=torch.device("cpu"),
+            model_path=str(path),
+            trust_remote_code=False,
+            name="rank 0",
+        )
+
+    if name == "builtin":  # asked for by name: refused, with the reason
+        with pytest.raises(ValueError, match="default RoPE only, not rope_type='linear'"):
+            replica()
+        return
+    hf = replica()
+    assert isinstance(hf, HFReplica)
+    assert "rope_type='linear'; rollout.name=auto generates with transformers (hf)" in caplog.text
+    manager = RolloutManager(ReplicaPool([hf]))
+    try:
+        prompt = encode(tok)[0]
+        sampling = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+        assert len(manager.generate([prompt], sampling)[0].response_ids) == 4
+    finally:
+        manager.close()

@@ -369,7 +369,8 @@ class MultiTurnConfig(Section):
 class RolloutConfig(Section):
     name: Literal["auto", "hf", "builtin", "sglang", "vllm"] = Field(
         "auto",
-        description="Generation engine asked for. auto: builtin (on the CPU too). hf: transformers "
+        description="Generation engine asked for. auto: builtin (on the CPU too), or hf for a model builtin "
+        "cannot run (another architecture, a scaled RoPE; said in a warning). hf: transformers "
         "generate; builtin: the built-in fast engine (continuous batching; Triton kernels and CUDA graphs on "
         "GPU). Both run on every policy rank on their own copy of the weights (bf16 on GPU), synced after "
         "each update; sglang: SGLang servers at ROLLOUT_SERVER_URLS, else one started per GPU; vllm: not "

@@ -66,6 +66,7 @@ def engine_settings(rollout) -> EngineSettings | None:
         name=rollout.engine,
         context_length=rollout.prompt_length + rollout.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
+        hf_if_refused=rollout.name in ("auto", "vllm"),
     )
 
 

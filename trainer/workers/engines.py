@@ -19,11 +19,14 @@ on). The weights stay on the GPU: the sync after each update copies into them in
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+log = logging.getLogger(__name__)
 KV_CACHE = ("kv_cache",)  # SGLang's memory tag of the KV cache (weights are "weights")
 # the most KV slots the built-in engine sizes itself to: decoding more sequences at once gains little,
 # and the logits buffers of the decode step grow with the slot count
@@ -38,6 +41,9 @@ class EngineSettings:
     name: Literal["builtin", "hf"] = "builtin"
     context_length: int = 4096  # prompt + response tokens (rollout.prompt_length + response_length)
     gpu_memory_utilization: float = 0.5  # builtin on CUDA: weights + KV cache take at most this share
+    # builtin was not asked for by name (rollout.name auto, or vllm): a model it cannot run (another
+    # architecture, a scaled RoPE as Llama 3's, sliding windows) generates with hf, said in a warning
+    hf_if_refused: bool = False
 
 
 def colocated_replica(
@@ -53,6 +59,9 @@ def colocated_replica(
     """The rank's engine as a replica, its weights copied from `model` (builtin) or read from
     `model_path` (hf); bf16 on CUDA, fp32 on the CPU."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if settings.name == "builtin" and settings.hf_if_refused and (refused := builtin_refuses(model)):
+        log.warning("%s; rollout.name=auto generates with transformers (hf) instead, slower", refused)
+        settings = dataclasses.replace(settings, name="hf")
     if settings.name == "hf":
         from trainer.model import load_reference
         from trainer.rollout.hf_engine import HFReplica, HFRolloutEngine
@@ -77,3 +86,14 @@ def colocated_replica(
     engine = load_engine(model, tokenizer=tokenizer, dtype=dtype, device=device, config=config)
     engine.release(KV_CACHE)  # held only through the rollout phase (the driver resumes it)
     return LocalReplica(EngineWorker(engine), tokenizer, name=name, with_text=False)
+
+
+def builtin_refuses(model: torch.nn.Module) -> str | None:
+    """Why the built-in engine cannot run this transformers model (None: it can)."""
+    from trainer.rollout.builtin.model import ModelShape
+
+    try:
+        ModelShape.from_config(model.config)
+    except ValueError as refused:
+        return str(refused)
+    return None
