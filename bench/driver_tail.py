@@ -24,7 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))  # its sibling (not the repo: PYTHONPATH picks the tree)
-from driver_batch import SAMPLES, step_rollouts  # noqa: E402
+from driver_batch import PROMPTS_PER_GPU, SAMPLES, step_rollouts  # noqa: E402
 from services.reward_server.schemas import RewardOptions  # noqa: E402
 from trainer.build import batch_plan, sampling_params  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -107,7 +107,7 @@ def main() -> None:
         ):
             ms = [v * 1e3 for v in values]
             cells.append(f"{name} {statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f})")
-        print(f"{gpus:>4} {gpus * 64 * SAMPLES:>5}  " + "; ".join(cells), flush=True)
+        print(f"{gpus:>4} {gpus * PROMPTS_PER_GPU * SAMPLES:>5}  " + "; ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -282,7 +282,7 @@ async def collect_batch(run: Run, step: int, timings: dict[str, float]) -> Colle
             tool_batches += [tools] if tools is not None else []
             kept += trainable_groups(groups, plan, tools)[: plan.prompts - len(kept)]
     with timer("batch", timings):  # what padding was left after the scoring, if it ran beside it
-        if padded is not None and rounds == 1 and len(kept) == len(groups):  # kept is the round's groups
+        if padded is not None and len(kept) == len(groups):  # one round, kept whole: the batch padded early
             batch = await padded
         else:
             batch = padded_batch(run.pad_id, [(g.prompt, g.rollouts) for g in kept])
