@@ -113,7 +113,10 @@ def test_rollout_phases_after_the_first_reserve_no_more_memory(keep):
         if keep:  # ... and stays in its allocator
             assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= cache
         reserved.append(torch.cuda.memory_reserved())
+        mallocs = torch.cuda.memory_stats()["segment.all.allocated"]
         engine.resume(["kv_cache"])
+        if keep:  # the cache comes back from the allocator's blocks: no empty_cache, no cudaMalloc
+            assert torch.cuda.memory_stats()["segment.all.allocated"] == mallocs
     print("reserved after each release, MiB:", [r >> 20 for r in reserved])
     assert reserved[-1] <= reserved[1], "a phase must reuse what the last one left, not add to it"
 

@@ -52,11 +52,12 @@ class EngineConfig:
     # CUDA: size the slots so that weights + KV cache take at most this fraction of the GPU and fit in
     # what is free when the cache is allocated (memory.py); None: exactly max_running slots
     gpu_memory_utilization: float | None = None
-    # release() leaves the freed memory in this process's caching allocator, where a colocated update's
-    # passes reuse it instead of ~300 cudaMallocs while the GPU idles (BENCHMARKS.md, 2026-11-29), and
-    # resume() empties the allocator instead, before it allocates the cache: that also frees the last
-    # phase's CUDA-graph pool, which only empty_cache returns. False: release hands the memory back to
-    # the device, for other processes on this GPU.
+    # release() leaves the cache's memory in this process's caching allocator, where a colocated update's
+    # passes reuse it instead of ~300 cudaMallocs while the GPU idles, and resume() takes the cache back
+    # from the allocator's blocks: no empty_cache at either end, whose cudaFrees serialise across a host's
+    # processes (0.04 s a resume at 1 GPU, 0.17-0.21 s at 4; BENCHMARKS.md, 2026-11-29). The graphs' own
+    # pool goes back to the device at release (DecodeRunner.close). False: release hands all the memory
+    # back to the device, for other processes on this GPU.
     keep_released_memory: bool = False
 
 
@@ -249,6 +250,8 @@ class BuiltinEngine:
         # the GPU may still be writing the cache: wait for it before the memory goes.
         while self.pending:
             self._process(self.pending.popleft())
+        if self.runner is not None:
+            self.runner.close()
         self.runner = self.cache = self.last_token = None
         self._rows, self._inputs = [], None
         if "weights" in tags and "weights" not in self.released:
@@ -263,8 +266,6 @@ class BuiltinEngine:
             self.model.move_to(self.device)
             self.released.discard("weights")
         if "kv_cache" in tags and "weights" not in self.released and "kv_cache" in self.released:
-            if self.device.type == "cuda" and self.config.keep_released_memory:
-                torch.cuda.empty_cache()  # see keep_released_memory
             self._allocate()
             self.released.discard("kv_cache")
 

@@ -121,7 +121,12 @@ class DecodeRunner:
             {"tokens": ((max_batch,), torch.int64), "logprobs": ((max_batch,), torch.float32)}, pinned=cuda
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # The graphs' memory in a pool of their own: close() hands back exactly its blocks, so the engine
+        # need not empty the whole allocator (and free the update's cached blocks) to reclaim them.
+        self.pool = None
+        if self.use_graphs:
+            with torch.cuda.device(self.device):
+                self.pool = torch.cuda.MemPool()
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -174,14 +179,21 @@ class DecodeRunner:
             # so the pinned blocks the trainer's batches travel through were freed (~1,100 cudaFreeHost,
             # ~350 ms a step in a profile) and allocated again by the next update. A 1-GPU GRPO step's
             # generation took 0.89-0.91 s against 1.01 (bench/scaling.py, H200); the KV release, outside
-            # it, now empties what the captures emptied before.
-            graph.capture_begin(pool=self.pool)
+            # it, hands back the graphs' pool instead (close).
+            graph.capture_begin(pool=self.pool.id)
             try:
                 self._decode(width)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self.graphs[width] = graph
+
+    def close(self) -> None:
+        """Destroy the graphs, then their pool: a MemPool returns its unused blocks to the device when it
+        goes, but only once no graph holds it. A fresh pool each phase: capturing into a pool again after
+        its graphs are gone trips torch 2.11's pinned-host allocator (CachingHostAllocator's use_count)."""
+        self.graphs.clear()
+        self.pool = None
 
     def capture_all(self) -> None:
         """Capture every bucket now, largest first (so smaller graphs reuse its memory pool)."""
