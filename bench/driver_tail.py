@@ -29,7 +29,7 @@ from services.reward_server.schemas import RewardOptions  # noqa: E402
 from trainer.build import batch_plan, sampling_params  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.data import PromptBatch, PromptRecord  # noqa: E402
-from trainer.loop import collect_batch  # noqa: E402
+from trainer.collect import collect_batch  # noqa: E402
 from trainer.rewards import CustomFunctionScorer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -134,7 +134,7 @@ def test_the_fit_loop_frees_the_kv_cache_after_each_rollout_phase_only_when_aske
     phase; false keeps the one allocated in the first phase, so later phases allocate nothing."""
     from types import SimpleNamespace
 
-    from trainer.loop import rollout_phase
+    from trainer.collect import rollout_phase
 
     model, tok = varied_model("qwen2", seed=3)
     replica = cpu_builtin_replica(model, tok)

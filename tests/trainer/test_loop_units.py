@@ -18,17 +18,15 @@ from trainer.batch import TrainBatch
 from trainer.build import BatchPlan, GroupFilter, advantage_settings, batch_plan, sampling_params
 from trainer.config import load_config
 from trainer.data import PromptBatch, PromptRecord
-from trainer.loop import (
+from trainer.collect import (
     PromptGroup,
     TrainingAborted,
     collect_batch,
-    compute_advantages,
     generate_groups,
-    no_signal_warning,
     padded_batch,
-    should,
     trainable_groups,
 )
+from trainer.loop import compute_advantages, no_signal_warning, should
 from trainer.rollout.base import Rollout
 
 
