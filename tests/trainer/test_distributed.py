@@ -95,13 +95,18 @@ def policy_settings(
     context=64,
     entropy=0.01,
     skip=False,
+    layers_per_unit=1,
 ) -> PolicyRankSettings:
     """engine: the colocated engine's name (builtin, hf), None for none; budget: use_dynamic_bsz's
     tokens per micro-batch (update and logprobs), None for sequence counts; entropy, skip: the loss's
     entropy_coeff and skip_zero_advantage_rows."""
     tokens = TokenBudget(budget) if budget else None
     return PolicyRankSettings(
-        model=ModelSettings(path=str(model_dir), remove_padding=remove_padding, fsdp=FSDPSettings()),
+        model=ModelSettings(
+            path=str(model_dir),
+            remove_padding=remove_padding,
+            fsdp=FSDPSettings(layers_per_unit=layers_per_unit),
+        ),
         optim=optim(),
         update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH, token_budget=tokens),
         loss=loss_settings(mode, entropy, skip),
@@ -183,11 +188,14 @@ def assert_same_metrics(distributed: dict, single: dict) -> None:
         assert distributed[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(
+    ("mode", "layers_per_unit"), [("token-mean", 1), ("seq-mean-token-mean", 1), ("token-mean", 2)]
+)
 def test_two_ranks_on_two_nodes_give_the_update_of_one_process_and_resume_on_one(
-    cluster, model_dir, tmp_path, mode
+    cluster, model_dir, tmp_path, mode, layers_per_unit
 ):
-    group, pool = policy_group(model_dir, nnodes=2, mode=mode)
+    # layers_per_unit 2: the model's two decoder layers one FSDP unit (a list of modules, one state)
+    group, pool = policy_group(model_dir, nnodes=2, mode=mode, layers_per_unit=layers_per_unit)
     try:
         assert len(set(group.node_ids())) == 2  # one rank on each simulated node
         group.save(str(tmp_path / "start"))  # the single process starts from the very same state

@@ -251,6 +251,37 @@ def test_the_weight_sync_gathers_a_sharded_model_group_by_group_with_the_same_te
     assert all(hasattr(p, "full_tensor") for p in model.parameters())  # every group resharded
 
 
+def test_consecutive_layers_share_a_unit_and_the_weight_sync_gathers_each_unit_once(tmp_path, monkeypatch):
+    """fsdp_config.layers_per_unit: 3 decoder layers in units of 2 are two FSDP units (one state each:
+    [0, 1] and [2]) besides the root, and iter_gathered unshards each unit once, with every tensor."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from trainer.parallel.distributed import local_data_parallel
+    from trainer.parallel.fsdp import FSDPSettings, iter_gathered, shard_model
+
+    cpu = torch.device("cpu")
+    path = make_tiny_model(tmp_path / "m", hidden=32, layers=3, heads=4, kv_heads=2, seed=3)
+    settings = FSDPSettings(offload_policy=True, layers_per_unit=2)  # units on one rank: CPU offload
+    model = shard_model(load_policy(str(path)), local_data_parallel(cpu), settings, cpu)
+    layers = model.model.layers
+    assert fully_shard.state(layers[0]) is fully_shard.state(layers[1]) is not fully_shard.state(layers[2])
+    assert len({id(fully_shard.state(m)) for m in model.modules() if isinstance(m, FSDPModule)}) == 3
+    unshards = []
+    original = FSDPModule.unshard
+
+    def counted(module, *args, **kwargs):
+        unshards.append(id(fully_shard.state(module)))
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPModule, "unshard", counted)  # counts, then gathers as FSDP2 does
+    gathered = list(iter_gathered(model, torch.bfloat16))
+    monkeypatch.undo()
+    assert len(unshards) == len(set(unshards)) == 3  # the root and the two units, once each
+    expected = dict(iter_full_state(model, torch.bfloat16))
+    assert sorted(name for name, _ in gathered) == sorted(expected)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in gathered)
+
+
 def test_one_rank_shards_the_model_as_one_unit_and_a_pass_without_gradients_frees_its_gathered_copy(
     model_dir,
 ):

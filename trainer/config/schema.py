@@ -140,6 +140,13 @@ class FSDPConfig(Section):
     reshard_after_forward: bool = Field(
         True, description="Free gathered parameters after forward (false: keep them until backward)."
     )
+    layers_per_unit: int = Field(
+        1,
+        ge=1,
+        description="Consecutive decoder layers sharded as one FSDP2 unit: one all-gather and one "
+        "reduce-scatter for them all (fewer, larger collectives and hooks; more memory gathered at once). "
+        "Not verl's.",
+    )
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
 
 

@@ -1,9 +1,10 @@
 """FSDP2 for the workers: sharding a Hugging Face model, moving it off the GPU, whole tensors for the
 rollout engine, and sharded checkpoints that resume on any number of ranks.
 
-Sharding (`shard_model`): each decoder layer is one FSDP unit, the root (embeddings, final norm, LM
-head) another, as verl and torchtitan do; a role on one rank is one unit (`one_unit`). Mixed precision
-is FSDP2's `MixedPrecisionPolicy`: the fp32 parameter shards are the master weights the optimizer
+Sharding (`shard_model`): each decoder layer is one FSDP unit (or `layers_per_unit` consecutive layers
+are: one all-gather and one reduce-scatter, one set of hooks for them all), the root (embeddings, final
+norm, LM head) another, as verl and torchtitan do; a role on one rank is one unit (`one_unit`). Mixed
+precision is FSDP2's `MixedPrecisionPolicy`: the fp32 parameter shards are the master weights the optimizer
 updates; each unit's parameters are cast to bf16 when gathered for compute (or, with verl's
 `mixed_precision.param_dtype: fp32`, gathered in fp32 and computed under bf16 autocast, as one process
 does), and gradients are reduced in fp32. Gradients are SUMMED across ranks (divide factor 1), because
@@ -61,6 +62,7 @@ class FSDPSettings:
     param_dtype: torch.dtype | None = None  # compute dtype of gathered parameters; None: storage dtype
     reduce_dtype: torch.dtype = torch.float32  # gradient reduction across ranks
     reshard_after_forward: bool = True  # ZeRO-3; False keeps gathered params until backward (ZeRO-2)
+    layers_per_unit: int = 1  # consecutive decoder layers sharded as one FSDP unit
     offload_policy: bool = False  # FSDP2 CPUOffloadPolicy
     param_offload: bool = False  # shards to CPU between calls
     optimizer_offload: bool = False  # AdamW moments to CPU between calls
@@ -99,8 +101,12 @@ def shard_model(
     if not settings.offload_policy:
         model.to(device)
     if not one_unit(dp, settings):
-        for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=settings.reshard_after_forward, **options)
+        layers, size = decoder_layers(model), settings.layers_per_unit
+        for start in range(0, len(layers), size):  # FSDP2 shards a list of modules as one unit
+            unit = layers[start : start + size]
+            fully_shard(
+                unit if size > 1 else unit[0], reshard_after_forward=settings.reshard_after_forward, **options
+            )
     # the root's parameters (embeddings, LM head) are needed again right after the last layer's forward
     fully_shard(model, reshard_after_forward=False, **options)
     _install_root_forward(model)
@@ -280,18 +286,27 @@ def iter_gathered(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
     names_of: dict[int, list[str]] = {}  # tied tensors (embeddings and LM head) share one entry
     for name, tensor in state.items():
         names_of.setdefault(id(tensor), []).append(name)
+    from torch.distributed.fsdp import fully_shard
+
     groups = [(prefix, module) for prefix, module in model.named_modules() if isinstance(module, FSDPModule)]
-    owner = {}  # each tensor's group: the deepest one whose prefix holds its (first) name
+    # the modules of one unit share its state: one unshard gathers them all
+    unit_of = {
+        id(fully_shard.state(module)): index for index, (_, module) in reversed(list(enumerate(groups)))
+    }
+    owner = {}  # each tensor's unit: that of the deepest group whose prefix holds its (first) name
 
     def group_of(name: str) -> int:
         holders = [i for i, (prefix, _) in enumerate(groups) if not prefix or name.startswith(prefix + ".")]
-        return max(holders, key=lambda i: len(groups[i][0]))
+        deepest = max(holders, key=lambda i: len(groups[i][0]))
+        return unit_of[id(fully_shard.state(groups[deepest][1]))]
 
     for names in names_of.values():
         owner.setdefault(group_of(names[0]), []).append(names)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for index, (_, module) in enumerate(groups):
+            if index not in owner:  # a unit's later modules: gathered with its first
+                continue
             module.unshard()
             try:
                 for names in owner.get(index, []):

@@ -135,6 +135,7 @@ def model_settings(
         fsdp=FSDPSettings(
             param_dtype=None if fp32_gathers else precision.autocast_dtype,
             reshard_after_forward=bool(fsdp.reshard_after_forward),
+            layers_per_unit=fsdp.layers_per_unit,
             offload_policy=bool(fsdp.offload_policy),
             param_offload=bool(fsdp.param_offload),
             optimizer_offload=trainable and bool(fsdp.optimizer_offload),
