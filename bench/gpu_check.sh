@@ -10,18 +10,23 @@
 # Each call prints drift.py's table for what it measured and leaves its results in $OUT (scaling/,
 # step_vs_trl/summary.json, rollout.json) for BENCHMARKS.md. The protocol asks for at least two runs of
 # each: repeat the call, and quote the median and the range.
+# Three more parts, each a call on the machine named, carry [".gpu"], with no drift table:
+#   tests    one GPU or more: every GPU test (pytest -m gpu) on GPU 0, first after a change to the engine,
+#            the update's kernels or the memory phases                                        (~5 min)
+#   units    4 GPUs: scaling at 1 GPU, and at 4 with 1 and 2 decoder layers an FSDP unit   (~7 min)
+#   tools    4 GPUs: scaling 1/2/4 with Search-R1 tool calls (a BM25 retrieval-server here)  (~9 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_check.sh scaling|step}
+part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools}
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 case $part in
-  scaling) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
+  scaling|tests|units|tools) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
   step) wheels=runs/carry/deps/wheels gsm8k=runs/carry/deps/gsm8k marker=trl ;;
-  *) echo "unknown part $part (scaling or step)" >&2; exit 2 ;;
+  *) echo "unknown part $part (scaling, step, tests, units or tools)" >&2; exit 2 ;;
 esac
 [ -d "$wheels" ] || { echo "$wheels is missing: carry it (see the header)" >&2; exit 2; }
-site=/tmp/site-$part  # one folder a part: pip --target skips what a folder already holds
+site=/tmp/site-${wheels//\//-}  # one folder a set of wheels: pip --target skips what one already holds
 [ -d "$site/$marker" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl || exit 1
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-gpu-check  # shared by the cases: compiling once is enough
@@ -37,6 +42,23 @@ case $part in
     mkdir -p "$out/step_vs_trl" && cp /tmp/gpu-check-step/summary.json "$out/step_vs_trl/" 
     CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/rollout.py --tune --batches 256 --json "$out/rollout.json" \
       2>&1 | tail -3 ;;
+  tests)
+    # the modules that hold GPU tests (a whole-tree collection would import what the device lacks)
+    files=$(grep -rlE '(pytestmark = |@)pytest\.mark\.gpu' tests --include='test_*.py')
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=0 timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider $files 2>&1 \
+      | tee "$out/gpu_tests.log" | grep -v '^$' | tail -25
+    exit "${PIPESTATUS[0]}" ;;
+  units)
+    python3 bench/scaling.py --gpus 1,4 --layers-per-unit 1,2 --ab-gpus 4 --steps 4 --gsm8k "$gsm8k" \
+      --out /tmp/gpu-check-scaling --results "$out/units" --budget-s 540 2>&1 \
+      | grep -v 'Writing model\|WARNING\|INFO' | tail -20
+    exit 0 ;;
+  tools)
+    python3 bench/scaling.py --gpus 1,2,4 --tools search --steps 4 --gsm8k "$gsm8k" \
+      --out /tmp/gpu-check-scaling --results "$out/tools" --budget-s 540 2>&1 \
+      | grep -v 'Writing model\|WARNING\|INFO' | tail -24
+    exit 0 ;;
 esac
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00')
 python3 bench/drift.py --results "$out" ${card:+--card "$card"}
