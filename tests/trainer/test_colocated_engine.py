@@ -219,7 +219,7 @@ def test_a_model_the_builtin_engine_refuses_generates_with_hf_only_under_auto(na
         return
     hf = replica()
     assert isinstance(hf, HFReplica)
-    assert "rope_type='linear'; rollout.name=auto generates with transformers (hf)" in caplog.text
+    assert "rope_type='linear'; transformers (hf) generates instead" in caplog.text
     manager = RolloutManager(ReplicaPool([hf]))
     try:
         prompt = encode(tok)[0]

@@ -60,7 +60,9 @@ def colocated_replica(
     `model_path` (hf); bf16 on CUDA, fp32 on the CPU."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if settings.name == "builtin" and settings.hf_if_refused and (refused := builtin_refuses(model)):
-        log.warning("%s; rollout.name=auto generates with transformers (hf) instead, slower", refused)
+        log.warning(
+            "%s; transformers (hf) generates instead, slower (rollout.name=builtin stops here)", refused
+        )
         settings = dataclasses.replace(settings, name="hf")
     if settings.name == "hf":
         from trainer.model import load_reference
