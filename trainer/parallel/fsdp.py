@@ -277,7 +277,7 @@ def iter_gathered(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
     makes one collective, and its host work, per tensor (~290 for a 0.5B model: the weight sync was
     host-bound, 53 ms on one GPU and 167 on four). Each tensor is a copy, as a group is resharded before
     the next is gathered. A collective; a model that is not sharded goes through iter_full_state."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if not isinstance(model, FSDPModule):
         yield from iter_full_state(model, dtype)
@@ -286,13 +286,10 @@ def iter_gathered(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
     names_of: dict[int, list[str]] = {}  # tied tensors (embeddings and LM head) share one entry
     for name, tensor in state.items():
         names_of.setdefault(id(tensor), []).append(name)
-    from torch.distributed.fsdp import fully_shard
-
     groups = [(prefix, module) for prefix, module in model.named_modules() if isinstance(module, FSDPModule)]
-    # the modules of one unit share its state: one unshard gathers them all
-    unit_of = {
-        id(fully_shard.state(module)): index for index, (_, module) in reversed(list(enumerate(groups)))
-    }
+    unit_of: dict[int, int] = {}  # the modules of a unit share its state: its first one's index
+    for index, (_, module) in enumerate(groups):
+        unit_of.setdefault(id(fully_shard.state(module)), index)
     owner = {}  # each tensor's unit: that of the deepest group whose prefix holds its (first) name
 
     def group_of(name: str) -> int:
