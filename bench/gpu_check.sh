@@ -15,15 +15,18 @@
 #            the update's kernels or the memory phases                                        (~5 min)
 #   units    4 GPUs: scaling at 1 GPU, and at 4 with 1 and 2 decoder layers an FSDP unit   (~7 min)
 #   tools    4 GPUs: scaling 1/2/4 with Search-R1 tool calls (a BM25 retrieval-server here)  (~9 min)
+#   phases   one GPU or more: scaling at 1 GPU with rollout.free_cache_engine true, then false (the KV
+#            cache and the decode graphs kept between steps: no capture a phase), step 5 profiled in
+#            each, trace_summary.py's table per run, rank 0's trace gzipped into $OUT         (~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools}
+part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases}
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 case $part in
-  scaling|tests|units|tools) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
+  scaling|tests|units|tools|phases) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
   step) wheels=runs/carry/deps/wheels gsm8k=runs/carry/deps/gsm8k marker=trl ;;
-  *) echo "unknown part $part (scaling, step, tests, units or tools)" >&2; exit 2 ;;
+  *) echo "unknown part $part (scaling, step, tests, units, tools or phases)" >&2; exit 2 ;;
 esac
 [ -d "$wheels" ] || { echo "$wheels is missing: carry it (see the header)" >&2; exit 2; }
 site=/tmp/site-${wheels//\//-}  # one folder a set of wheels: pip --target skips what one already holds
@@ -58,6 +61,15 @@ case $part in
     python3 bench/scaling.py --gpus 1,2,4 --tools search --steps 4 --gsm8k "$gsm8k" \
       --out /tmp/gpu-check-scaling --results "$out/tools" --budget-s 540 2>&1 \
       | grep -v 'Writing model\|WARNING\|INFO' | tail -24
+    exit 0 ;;
+  phases)
+    for free in true false; do
+      python3 bench/scaling.py --gpus 1 --steps 5 --gsm8k "$gsm8k" --out "/tmp/gpu-check-phases-$free" \
+        --results "$out/phases-free-$free" --budget-s 250 "actor_rollout_ref.rollout.free_cache_engine=$free" \
+        'trainer.profile_steps=[5]' 2>&1 | grep -E 'metric|timing_s/(gen|update_actor|step)|throughput|status'
+      trace=/tmp/gpu-check-phases-$free/0.5b_x1/profile/step_5_policy_rank0.json
+      [ -f "$trace" ] && python3 bench/trace_summary.py "$trace" && gzip -c "$trace" > "$out/phases-free-$free/rank0.json.gz"
+    done
     exit 0 ;;
 esac
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00')
