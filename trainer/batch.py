@@ -163,7 +163,8 @@ class TrainBatch:
         return dataclasses.replace(self, **moved)
 
 
-HOST_FIELDS = ("prompt_lengths", "response_lengths")
+# read on the host only: the packed layout is planned from them (group ids: pack_shared's runs)
+HOST_FIELDS = ("prompt_lengths", "response_lengths", "group_ids")
 
 
 def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:

@@ -67,6 +67,7 @@ from trainer.build import (
     close_run,
     seed_everything,
 )
+from trainer.packing import shared_prompt_tokens
 from trainer.parallel.placement import WorkerGroupError
 from trainer.rewards import RewardErrors, Scores, check_reward_errors
 from trainer.rollout.base import derived_seed
@@ -291,6 +292,7 @@ def step_metrics(run: Run, batch: TrainBatch, scores: Scores, timings: dict[str,
         seq_lens=(batch.prompt_lengths + batch.response_lengths).tolist(),
         num_layers=profile.num_layers,
         attention_dim=profile.hidden_size,
+        shared_tokens=shared_prompt_tokens(batch) if profile.shares_prompts else 0,
     )
     utilisation = mfu(
         flops * profile.ppo_epochs,

@@ -46,12 +46,18 @@ class Packed:
     cu_seq_lens: Tensor  # [B+1] int32, sequence boundaries in the packed row
     max_length: int  # the longest sequence
     offsets: Tensor  # [B+1] int64 on the host: cu_seq_lens, for planning gathers from the packed row
+    # Shared prompts (`pack_shared`): the attention runs on `expand`, the packed row's tokens gathered
+    # into one [prompt; response] sequence per sample (cu_seq_lens and max_length describe that layout),
+    # and `pick` takes each packed token's output back from it. None: the packed row is the layout.
+    expand: Tensor | None = None  # [N'] on the device
+    pick: Tensor | None = None  # [N] on the device
 
     def model_kwargs(self) -> dict:
         """What the model's forward takes to run packed. The attention function confines each sequence
         itself; the empty 4D `attention_mask` only makes transformers pass it through as it is instead of
         building a mask, whose packed-sequence detection reads the position ids back from the GPU (a
         sync per forward)."""
+        shared = {} if self.expand is None else {"shared_expand": self.expand, "shared_pick": self.pick}
         return {
             "input_ids": self.input_ids,
             "attention_mask": self.input_ids.new_empty((1, 1, 0, 0), dtype=torch.bool),
@@ -60,6 +66,7 @@ class Packed:
             "cu_seq_lens_k": self.cu_seq_lens,
             "max_length_q": self.max_length,
             "max_length_k": self.max_length,
+            **shared,
         }
 
 
@@ -103,6 +110,87 @@ def pack_batch(batch) -> Packed:
     )
 
 
+def pack_shared(batch) -> tuple[Packed, Tensor]:
+    """pack_batch() with each run of consecutive rows of one group (same group id and prompt length:
+    GRPO's n samples of a prompt) packed as its prompt once, then each row's response:
+
+        rows     p0 p1 a0 a1 | p0 p1 b0          packed     p0 p1 a0 a1 b0
+        position  0  1  2  3 |  0  1  2          position    0  1  2  3  2
+
+    The layers see every prompt token once. Attention gathers the keys and values of [prompt; response]
+    per row (`Packed.expand`), so each response sees exactly the tokens it sees unshared, and each packed
+    token's output is taken from one place in that layout (`Packed.pick`: a prompt token's from its run's
+    first row); the gathers' backward adds every row's gradient into the one prompt. Logprobs and
+    gradients are those of pack_batch (to float rounding); the layers' work on prompts drops by the
+    group size. Returns (packed, predicting): the packed position predicting each real response token,
+    in ResponseTokens order.
+
+    A group id stands for one prompt (TrainBatch.group_ids); where the tokens are on the host (CPU runs)
+    the prompts are compared too, and rows whose prompts differ are not shared. On a GPU that would wait
+    for the device, so there the group ids are trusted. Planned on the host with array arithmetic, no
+    loop over rows."""
+    prompt = batch.prompt_lengths.cpu().long()
+    response = batch.response_lengths.cpu().long()
+    groups = batch.group_ids.cpu().long()
+    if bool(((prompt + response) <= 0).any()):
+        raise ValueError("cannot pack a row without real tokens")
+    rows, width, prompt_width = len(prompt), batch.input_ids.shape[1], batch.prompt_width
+    same = (groups[1:] == groups[:-1]) & (prompt[1:] == prompt[:-1])
+    if batch.input_ids.device.type == "cpu":  # left-padded to one width: equal windows, equal prompts
+        windows = batch.input_ids[:, :prompt_width]
+        same &= (windows[1:] == windows[:-1]).all(dim=1)
+    new_run = torch.cat((torch.ones(1, dtype=torch.bool), ~same)).long()
+    shown = prompt * new_run  # prompt tokens a row puts in the packed row: its run's first row's
+    block = _exclusive_cumsum(shown + response)  # where each row's tokens start in the packed row
+    run_first = torch.cummax(torch.where(new_run.bool(), torch.arange(rows), 0), dim=0).values
+    prompt_at, response_at = block[run_first], block + shown
+    branch = _exclusive_cumsum(prompt + response)  # each row's [prompt; response] in the expanded layout
+    row_base = torch.arange(rows) * width + prompt_width
+
+    def laid(*pieces):  # (start, length) pairs a row, row by row: the concatenated ranges
+        return _ranges(torch.stack([s for s, _ in pieces], 1), torch.stack([n for _, n in pieces], 1))
+
+    source = laid((row_base - prompt, shown), (row_base, response))
+    positions = laid((torch.zeros_like(prompt), shown), (prompt, response))
+    expand = laid((prompt_at, prompt), (response_at, response))
+    pick = laid((branch, shown), (branch + prompt, response))
+    has = (response > 0).long()
+    predicting = laid((prompt_at + prompt - 1, has), (response_at, (response - 1).clamp(min=0)))
+    lengths = prompt + response
+    offsets = F.pad(torch.cumsum(lengths, dim=0), (1, 0))
+    device = batch.input_ids.device
+    result = Packed(
+        input_ids=batch.input_ids.reshape(-1).index_select(0, to_device(source, device))[None],
+        position_ids=to_device(positions, device)[None],
+        cu_seq_lens=to_device(offsets.to(torch.int32), device),
+        max_length=int(lengths.max()),
+        offsets=offsets,
+        expand=to_device(expand, device),
+        pick=to_device(pick, device),
+    )
+    return result, predicting
+
+
+def shared_prompt_tokens(batch) -> int:
+    """Prompt tokens a batch's shared-prompt forwards do not run: every row's after its run's first
+    (where a micro-batch cuts a run, its next part runs the prompt again: slightly fewer)."""
+    prompt, groups = batch.prompt_lengths.cpu().long(), batch.group_ids.cpu().long()
+    same = (groups[1:] == groups[:-1]) & (prompt[1:] == prompt[:-1])
+    return int(prompt[1:][same].sum())
+
+
+def _exclusive_cumsum(values: Tensor) -> Tensor:
+    return torch.cumsum(values, dim=0) - values
+
+
+def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """[start, start + length) for every (start, length) in row-major order, concatenated."""
+    starts, lengths = starts.reshape(-1), lengths.reshape(-1)
+    return torch.repeat_interleave(starts - _exclusive_cumsum(lengths), lengths) + torch.arange(
+        int(lengths.sum())
+    )
+
+
 def mask_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     """(starts, lengths) of contiguous real tokens from a host attention mask [B, L], for pack()."""
     mask = attention_mask.cpu().bool()
@@ -113,7 +201,16 @@ def mask_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: dict, scale: float) -> Tensor:
-    """Causal attention within each packed sequence. query [N, H, D], key/value [N, H_kv, D] -> [N, H, D]."""
+    """Causal attention within each packed sequence. query [N, H, D], key/value [N, H_kv, D] -> [N, H, D].
+    With shared prompts (`pack_shared`) the sequences are those of the expanded layout."""
+    expand = packed.get("shared_expand")
+    if expand is None:
+        return _varlen_causal_attention(query, key, value, packed, scale)
+    query, key, value = (t.index_select(0, expand) for t in (query, key, value))
+    return _varlen_causal_attention(query, key, value, packed, scale).index_select(0, packed["shared_pick"])
+
+
+def _varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: dict, scale: float) -> Tensor:
     if query.is_cuda:
         kernel = _cuda_varlen_kernel()
         dtype = flash_dtype(query, key, value, cuda_autocast_dtype())
@@ -233,10 +330,12 @@ def register_packed_attention() -> str:
     return PACKED_ATTENTION
 
 
-def use_packed_attention(model, *, token_major: bool = True) -> None:
+def use_packed_attention(model, *, token_major: bool = True, share_prompts: bool = False) -> None:
     """Switch a loaded model (all its sub-configs) to the packed attention implementation, and (unless
     `token_major` is off: benchmarks compare) give its attention modules the token-major packed forward
-    (`token_major_attention`) where their layout allows."""
+    (`token_major_attention`) where their layout allows. share_prompts: its forwards share each group's
+    prompt (`pack_shared`)."""
+    model.share_prompts = share_prompts  # a module attribute, not the config: checkpoints do not carry it
     name = register_packed_attention()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
@@ -344,6 +443,11 @@ def is_packed(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION
 
 
+def shares_prompts(model) -> bool:
+    """Whether its packed forwards share each group's prompt (`use_packed_attention(share_prompts=...)`)."""
+    return is_packed(model) and getattr(model, "share_prompts", False)
+
+
 # ------------------------------------------------------------------------------ hidden states of responses
 
 
@@ -374,18 +478,25 @@ class ResponseTokens:
         return zeros.index_copy(0, self.flat, values).view(self.shape)
 
 
-def response_hidden_states(backbone, batch, *, remove_padding: bool) -> tuple[Tensor, ResponseTokens]:
+def response_hidden_states(
+    backbone, batch, *, remove_padding: bool, share_prompts: bool = False
+) -> tuple[Tensor, ResponseTokens]:
     """Hidden states [N_resp, H] at the positions that predict the batch's real response tokens, and
     where those tokens are (`ResponseTokens`, in the same order).
 
     Position P-1+t predicts response token t; packed, row b's position P-1+t is its packed position
-    offsets[b] + prompt_length[b] - 1 + t (the backbone sees only real tokens).
+    offsets[b] + prompt_length[b] - 1 + t (the backbone sees only real tokens). share_prompts (packed
+    only): a group's rows share one forward of their prompt (`pack_shared`).
     """
     tokens = ResponseTokens.of(batch)
     prompt_lengths = batch.prompt_lengths.cpu().long()
     if bool((prompt_lengths[tokens.rows] < 1).any()):
         raise ValueError("a response needs a prompt of at least one token to be predicted from")
     device = batch.input_ids.device
+    if remove_padding and share_prompts:
+        packed, predicting = pack_shared(batch)
+        hidden = backbone(**packed.model_kwargs(), use_cache=False).last_hidden_state[0]
+        return hidden.index_select(0, to_device(predicting, device)), tokens
     if remove_padding:
         packed = pack_batch(batch)
         hidden = backbone(**packed.model_kwargs(), use_cache=False).last_hidden_state[0]

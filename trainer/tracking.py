@@ -492,7 +492,9 @@ def compute_throughput_metrics(total_tokens: int, step_time_s: float, n_gpus: in
     }
 
 
-def training_flops(*, num_params: int, seq_lens: Sequence[int], num_layers: int, attention_dim: int) -> float:
+def training_flops(
+    *, num_params: int, seq_lens: Sequence[int], num_layers: int, attention_dim: int, shared_tokens: int = 0
+) -> float:
     """FLOPs of one forward + backward pass over these sequences (verl's estimate, dense models).
 
     6 * N per token: every weight does a multiply-add (2 FLOPs) forward and twice that backward; N
@@ -500,8 +502,10 @@ def training_flops(*, num_params: int, seq_lens: Sequence[int], num_layers: int,
     tied embeddings count them once). Attention scores and the weighted sum of values add
     2 * 2 * s^2 * attention_dim per layer forward, times 3 with backward: 12 * layers * dim * s^2 per
     sequence of length s (no causal halving, like verl). attention_dim = num_heads * head_dim.
+    shared_tokens: prompt tokens the weights never saw (model.share_prompts runs a group's prompt once);
+    their attention is still done, per sample.
     """
-    tokens = sum(seq_lens)
+    tokens = sum(seq_lens) - shared_tokens
     return 6.0 * num_params * tokens + 12.0 * num_layers * attention_dim * sum(s * s for s in seq_lens)
 
 

@@ -511,6 +511,20 @@ def test_batch_size_divisibility(overrides, needle):
     assert any(needle in problem for problem in caught.value.problems), caught.value.problems
 
 
+def test_shared_prompts_need_packed_forwards_and_a_critic_that_inherits_both_is_told_once():
+    with pytest.raises(ConfigError) as caught:
+        load_config(["algorithm.adv_estimator=gae", "actor_rollout_ref.model.share_prompts=true"])
+    assert caught.value.problems == [
+        "actor_rollout_ref.model.share_prompts needs actor_rollout_ref.model.use_remove_padding=true (a "
+        "shared prompt is a packed layout; a padded batch has a row per sample)"
+    ]
+    on = ["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.share_prompts=true"]
+    with pytest.raises(ConfigError, match="critic.model.share_prompts needs critic.model.use_remove_padding"):
+        load_config(["algorithm.adv_estimator=gae", *on, "critic.model.use_remove_padding=false"])
+    config = load_config(["algorithm.adv_estimator=gae", *on])
+    assert config.critic.model.share_prompts and checks.problems(config) == []
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -11,6 +11,8 @@ from trainer.parallel.distributed import SINGLE_PROCESS, Scatter, balanced_parti
 from trainer.parallel.fsdp import buckets, iter_full_state, load_full_model_state, load_sharded, save_sharded
 from trainer.model import backbone_and_head, load_policy
 from trainer.packing import (
+    pack_shared,
+    shared_prompt_tokens,
     ResponseTokens,
     mask_spans,
     pack,
@@ -19,6 +21,7 @@ from trainer.packing import (
     use_packed_attention,
 )
 from trainer.rollout.base import Rollout
+from trainer.workers.logprobs import response_logprobs
 
 
 def test_ranks_get_nccl_settings_this_checkout_and_the_drivers_allocator_settings(monkeypatch):
@@ -141,6 +144,83 @@ def test_packed_forward_matches_the_padded_one(model_dir):
     # negative control: the packed row without sequence boundaries lets later sequences attend to earlier ones
     whole = backbone(input_ids=pack_batch(batch).input_ids, use_cache=False)
     assert not torch.allclose(whole.last_hidden_state[0, -3:], packed[-3:], atol=1e-3)
+
+
+def _grouped_batch(seed: int, sizes=(3, 1, 2), prompt_length: int | None = None) -> TrainBatch:
+    """GRPO's layout: each group's rows one prompt (of prompt_length tokens, or random lengths),
+    responses of their own lengths."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(low, high):
+        length = int(torch.randint(low, high, (1,), generator=generator))
+        return torch.randint(4, 90, (length,), generator=generator).tolist()
+
+    rollouts = []
+    for index, size in enumerate(sizes):
+        prompt = ids(2, 9) if prompt_length is None else ids(prompt_length, prompt_length + 1)
+        for _ in range(size):
+            response = ids(1, 7)
+            scores = [0.0] * len(response)
+            rollouts.append(Rollout(prompt, response, scores, [1] * len(response), "stop", index))
+    return TrainBatch.from_rollouts(rollouts, pad_id=0)
+
+
+def _logprobs_and_grads(model_dir, batch, *, share: bool):
+    model = load_policy(str(model_dir))
+    use_packed_attention(model, share_prompts=share)
+    out = response_logprobs(model, batch, with_entropy=True)
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    return out.logprobs, out.entropy, [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def test_a_groups_rows_share_one_pass_of_their_prompt_with_the_packed_logprobs_and_gradients(model_dir):
+    batch = _grouped_batch(seed=1)
+    packed, _ = pack_shared(batch)
+    lengths = batch.prompt_lengths + batch.response_lengths
+    # the layers see each group's prompt once (groups start at rows 0, 3 and 4) ...
+    once = batch.prompt_lengths[[0, 3, 4]].sum() + batch.response_lengths.sum()
+    assert packed.input_ids.shape[1] == int(once)
+    # what perf/mfu/actor leaves out: rows 1, 2 and 5 ran no prompt of their own
+    assert shared_prompt_tokens(batch) == int(batch.prompt_lengths[[1, 2, 5]].sum()) > 0
+    # ... and attention every row's [prompt; response], as unshared
+    assert packed.expand.numel() == int(lengths.sum()) and packed.cu_seq_lens.tolist() == [
+        0,
+        *lengths.cumsum(0).tolist(),
+    ]
+    assert packed.input_ids[0, packed.expand].tolist() == pack_batch(batch).input_ids[0].tolist()
+    unshared = _logprobs_and_grads(model_dir, batch, share=False)
+    shared = _logprobs_and_grads(model_dir, batch, share=True)
+    torch.testing.assert_close(shared[0], unshared[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared[1], unshared[1], atol=1e-5, rtol=0)
+    assert len(shared[2]) == len(unshared[2])
+    for got, want in zip(shared[2], unshared[2]):
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    # negative control: the packed row attended as it lies (each response seeing its siblings) differs
+    model = load_policy(str(model_dir))
+    use_packed_attention(model)
+    backbone, _ = backbone_and_head(model)
+    runs = torch.tensor([0, packed.input_ids.shape[1]], dtype=torch.int32)
+    plain = backbone(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=packed.input_ids.new_empty((1, 1, 0, 0), dtype=torch.bool),
+        cu_seq_lens_q=runs, cu_seq_lens_k=runs, max_length_q=packed.input_ids.shape[1],
+        max_length_k=packed.input_ids.shape[1], use_cache=False,
+    ).last_hidden_state[0]  # fmt: skip
+    model.share_prompts = True
+    with_shared = backbone(**packed.model_kwargs(), use_cache=False).last_hidden_state[0]
+    assert not torch.allclose(plain[-3:], with_shared[-3:], atol=1e-3)
+
+
+def test_rows_of_one_group_id_with_other_prompts_are_not_shared(model_dir):
+    # a group id stands for one prompt; on the host the prompts are compared as well
+    batch = _grouped_batch(seed=2, sizes=(2, 2), prompt_length=5)
+    one_id = batch.with_fields(group_ids=torch.zeros(len(batch), dtype=torch.long))
+    assert pack_shared(one_id)[0].input_ids.shape == pack_shared(batch)[0].input_ids.shape
+    shared = _logprobs_and_grads(model_dir, one_id, share=True)
+    unshared = _logprobs_and_grads(model_dir, batch, share=False)
+    for got, want in zip(shared[:2], unshared[:2]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def _family_model(family: str):
@@ -366,6 +446,25 @@ def test_packed_forward_under_autocast_runs_flash_on_cuda(model_dir):
         packed, _ = response_hidden_states(backbone, batch, remove_padding=True)
     assert "varlen" not in packing._DISABLED
     torch.testing.assert_close(packed.float(), padded.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_shared_prompts_run_flash_on_cuda_and_match_the_unshared_packed_forward(model_dir):
+    from trainer import packing
+
+    batch = _grouped_batch(seed=1, sizes=(4, 1, 3)).to("cuda")
+    results = []
+    for share in (False, True):
+        model = load_policy(str(model_dir)).cuda()
+        use_packed_attention(model, share_prompts=share)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = response_logprobs(model, batch, with_entropy=True)
+        out.logprobs.sum().backward()
+        results.append((out.logprobs, [p.grad.float() for p in model.parameters() if p.grad is not None]))
+    assert "varlen" not in packing._DISABLED
+    torch.testing.assert_close(results[1][0], results[0][0], atol=3e-2, rtol=3e-2)
+    for got, want in zip(results[1][1], results[0][1]):
+        assert (got - want).norm() <= 3e-2 * want.norm() + 1e-6
 
 
 def test_policy_ranks_use_data_tokenizer_for_their_engine_and_checkpoints(model_dir, tmp_path):

@@ -361,6 +361,9 @@ def test_timing_throughput_and_mfu_helpers():
     }
     # 6 * 100 params * 5 tokens + 12 * 2 layers * 4 dim * (2^2 + 3^2)
     assert training_flops(num_params=100, seq_lens=[2, 3], num_layers=2, attention_dim=4) == 3000 + 1248
+    # a shared prompt token skips the weights (6 * 100), not the attention
+    shared = training_flops(num_params=100, seq_lens=[2, 3], num_layers=2, attention_dim=4, shared_tokens=1)
+    assert shared == 2400 + 1248
     assert mfu(989e12 * 3.0, 3.0, n_gpus=2, peak_flops_per_gpu=989e12) == pytest.approx(0.5)
     assert mfu(1e12, 1.0, n_gpus=1, peak_flops_per_gpu=None) is None
     assert peak_flops_per_gpu("NVIDIA H100 80GB HBM3") == 989e12

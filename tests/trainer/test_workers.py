@@ -287,6 +287,38 @@ def test_micro_batch_1_x_8_gives_the_same_update_as_8_x_1(base_model, loss_agg_m
     assert 0 < results[8][1]["actor/pg_clipfrac"] < 1  # the clip was active on some tokens
 
 
+def grouped_batch(groups=4, n=2, seed=0) -> TrainBatch:
+    """GRPO's layout: n samples of each prompt, responses of their own lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for group in range(groups):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(2, 8, (1,), generator=gen)),), generator=gen)
+        for _ in range(n):
+            t = int(torch.randint(1, 10, (1,), generator=gen))
+            response = torch.randint(3, VOCAB, (t,), generator=gen).tolist()
+            rollouts.append(Rollout(prompt.tolist(), response, [0.0] * t, [1] * t, "length", group))
+    return TrainBatch.from_rollouts(rollouts, pad_id=0)
+
+
+@pytest.mark.parametrize("micro", [8, 3])  # 3: a group split over two micro-batches shares within each
+def test_shared_prompts_give_the_update_of_unshared_packed_forwards_from_fewer_tokens(base_model, micro):
+    from trainer.packing import use_packed_attention
+
+    batch = with_training_fields(grouped_batch(), base_model)
+    loss = loss_settings(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    results = {}
+    for share in (False, True):
+        model = fresh(base_model)
+        use_packed_attention(model, share_prompts=share)
+        results[share] = update_counting_tokens(policy_of(model, mini=8, micro=micro, loss=loss), batch)
+    (unshared, before, tokens), (shared, after, fewer) = results[False], results[True]
+    assert (after - before).norm() / (before - flat_params(base_model)).norm() < 1e-4
+    for name, value in unshared.items():
+        assert shared[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    prompts = int(batch.prompt_lengths.sum())
+    assert fewer < tokens and tokens - fewer <= prompts // 2  # at most one of each pair's prompts saved
+
+
 def test_token_budget_cuts_consecutive_rows_within_the_budget():
     assert token_budget_bounds([4, 4, 4, 9, 2, 20, 1], 10) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
     assert token_budget_bounds([], 10) == []

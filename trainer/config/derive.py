@@ -209,6 +209,8 @@ def _fill_critic(config: Config) -> None:
         critic.model.trust_remote_code = arr.model.trust_remote_code
     if critic.model.use_remove_padding is None:
         critic.model.use_remove_padding = arr.model.use_remove_padding
+    if critic.model.share_prompts is None:
+        critic.model.share_prompts = arr.model.share_prompts
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
     critic.loss_agg_mode = critic.loss_agg_mode or actor.loss_agg_mode

@@ -166,6 +166,13 @@ class ModelConfig(Section):
         description="Pack each micro-batch's sequences into one row (no padding) for the policy, reference "
         "and critic forwards; variable-length flash attention on CUDA.",
     )
+    share_prompts: bool = Field(
+        False,
+        description="With use_remove_padding: the samples of one prompt in a micro-batch (GRPO's n) share "
+        "one pass of its tokens through the layers, each response attending to that prompt's keys and "
+        "values; the same logprobs and gradients (to float rounding), fewer tokens (trainer/packing.py "
+        "pack_shared). Not verl's.",
+    )
     use_fused_kernels: bool = Field(
         True,
         description="Logprobs and entropy through the LM head in one chunked pass with a hand-written "
@@ -496,6 +503,9 @@ class CriticModelConfig(Section):
     enable_gradient_checkpointing: bool = Field(True, description="Recompute activations in backward.")
     use_remove_padding: bool | None = Field(
         None, description="Padding-free critic forwards. null: actor_rollout_ref.model.use_remove_padding."
+    )
+    share_prompts: bool | None = Field(
+        None, description="Shared prompt passes (packed only). null: actor_rollout_ref.model.share_prompts."
     )
     fsdp_config: FSDPConfig = Field(default_factory=FSDPConfig, description="The critic's FSDP2 shards.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank. Only 0 is supported.")

@@ -38,7 +38,7 @@ from trainer.parallel.fsdp import (
     shard_model,
 )
 from trainer.model import load_critic, load_policy, load_reference, load_tokenizer
-from trainer.packing import use_packed_attention
+from trainer.packing import shares_prompts, use_packed_attention
 from trainer.workers.policy import Policy, PolicyLossSettings
 from trainer.workers.common import MicroBatchSize, OptimizerSettings, UpdateSettings
 from trainer.workers.critic import Critic, ValueLossSettings
@@ -57,6 +57,7 @@ class ModelSettings:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     remove_padding: bool = False  # pack each micro-batch's sequences (trainer/packing.py)
+    share_prompts: bool = False  # packed: a group's rows share their prompt's pass (packing.pack_shared)
     compile: bool = False  # torch.compile the decoder layers on CUDA (trainer/compiling.py)
     # autocast of the role's passes (bf16 on GPUs, as in one process), whatever dtype FSDP gathers in
     autocast_dtype: torch.dtype | None = None
@@ -85,7 +86,7 @@ def _loaded(loader: Callable, settings: ModelSettings, device: torch.device, **e
         **extra,
     )
     if settings.remove_padding:
-        use_packed_attention(model)
+        use_packed_attention(model, share_prompts=settings.share_prompts)
     if settings.compile and device.type == "cuda":
         trains = any(p.requires_grad for p in model.parameters())
         compile_model(
@@ -266,6 +267,7 @@ class PolicyProfile:
     hidden_size: int
     ppo_epochs: int
     device_name: str | None
+    shares_prompts: bool = False  # model.share_prompts: a group's prompt goes through the layers once
 
     @classmethod
     def of(cls, model: torch.nn.Module, ppo_epochs: int) -> PolicyProfile:
@@ -276,6 +278,7 @@ class PolicyProfile:
             hidden_size=model.config.hidden_size,
             ppo_epochs=ppo_epochs,
             device_name=torch.cuda.get_device_name() if on_gpu else None,
+            shares_prompts=shares_prompts(model),
         )
 
 

@@ -129,6 +129,7 @@ def model_settings(
         trust_remote_code=bool(model.trust_remote_code),
         gradient_checkpointing=trainable and bool(model.enable_gradient_checkpointing),
         remove_padding=bool(model.use_remove_padding),
+        share_prompts=bool(model.share_prompts),
         compile=compile,
         autocast_dtype=precision.autocast_dtype,
         tokenizer=tokenizer,

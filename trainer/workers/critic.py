@@ -20,7 +20,7 @@ from trainer.batch import TrainBatch
 from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
 from trainer.parallel.fsdp import in_root_forward, release_gathered
 from trainer.model import backbone_and_head
-from trainer.packing import is_packed, response_hidden_states
+from trainer.packing import is_packed, response_hidden_states, shares_prompts
 from trainer.workers.common import (
     MicroBatchSize,
     MiniBatchMetrics,
@@ -50,7 +50,9 @@ def response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
 
 def _response_values(model: PreTrainedModel, batch: TrainBatch) -> Tensor:
     backbone, head = backbone_and_head(model)
-    hidden, tokens = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
+    hidden, tokens = response_hidden_states(
+        backbone, batch, remove_padding=is_packed(model), share_prompts=shares_prompts(model)
+    )
     return tokens.place(head(hidden).squeeze(-1).float())  # only the positions predicting response tokens
 
 

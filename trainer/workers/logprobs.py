@@ -41,7 +41,7 @@ from trainer.compiling import CompiledOrEager
 from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
 from trainer.parallel.fsdp import compute_device, in_root_forward, release_gathered
 from trainer.model import autocast, backbone_and_head
-from trainer.packing import is_packed, response_hidden_states
+from trainer.packing import is_packed, response_hidden_states, shares_prompts
 from trainer.workers.common import MicroBatchSize, micro_batches, pad_response_columns
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,9 @@ def _response_logprobs(
 ) -> ResponseLogprobs:
     backbone, head = backbone_and_head(model)
     # the hidden states at the positions predicting the real response tokens (loss-masked or not)
-    hidden_rows, tokens = response_hidden_states(backbone, batch, remove_padding=is_packed(model))
+    hidden_rows, tokens = response_hidden_states(
+        backbone, batch, remove_padding=is_packed(model), share_prompts=shares_prompts(model)
+    )
     targets = tokens.take(batch.responses)
     if settings.fused and _fusable(head) and targets.numel():
         dtype = _compute_dtype(hidden_rows, head.weight)
