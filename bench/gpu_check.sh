@@ -18,15 +18,17 @@
 #   phases   one GPU or more: scaling at 1 GPU with rollout.free_cache_engine true, then false (the KV
 #            cache and the decode graphs kept between steps: no capture a phase), step 5 profiled in
 #            each, trace_summary.py's table per run, rank 0's trace gzipped into $OUT         (~5 min)
+#   share    one GPU or more: the shared-prompt GPU test, then scaling at 1 GPU with
+#            actor_rollout_ref.model.share_prompts false, then true (GRPO's 8 samples a prompt)  (~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases}
+part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases|share}
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 case $part in
-  scaling|tests|units|tools|phases) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
+  scaling|tests|units|tools|phases|share) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
   step) wheels=runs/carry/deps/wheels gsm8k=runs/carry/deps/gsm8k marker=trl ;;
-  *) echo "unknown part $part (scaling, step, tests, units, tools or phases)" >&2; exit 2 ;;
+  *) echo "unknown part $part (scaling, step, tests, units, tools, phases or share)" >&2; exit 2 ;;
 esac
 [ -d "$wheels" ] || { echo "$wheels is missing: carry it (see the header)" >&2; exit 2; }
 site=/tmp/site-${wheels//\//-}  # one folder a set of wheels: pip --target skips what one already holds
@@ -69,6 +71,15 @@ case $part in
         'trainer.profile_steps=[5]' 2>&1 | grep -E 'metric|timing_s/(gen|update_actor|step)|throughput|status'
       trace=/tmp/gpu-check-phases-$free/0.5b_x1/profile/step_5_policy_rank0.json
       [ -f "$trace" ] && python3 bench/trace_summary.py "$trace" && gzip -c "$trace" > "$out/phases-free-$free/rank0.json.gz"
+    done
+    exit 0 ;;
+  share)
+    CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -m gpu -p no:cacheprovider tests/trainer/test_distributed_units.py \
+      -k shared_prompts 2>&1 | tail -3
+    for share in false true; do
+      python3 bench/scaling.py --gpus 1 --steps 4 --gsm8k "$gsm8k" --out "/tmp/gpu-check-share-$share" \
+        --results "$out/share-$share" --budget-s 200 "actor_rollout_ref.model.share_prompts=$share" 2>&1 \
+        | grep -E 'metric|timing_s/(gen|ref|update_actor|step)|throughput|mfu|status'
     done
     exit 0 ;;
 esac
