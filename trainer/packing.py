@@ -131,11 +131,10 @@ def pack_shared(batch) -> tuple[Packed, Tensor]:
     loop over rows."""
     prompt = batch.prompt_lengths.cpu().long()
     response = batch.response_lengths.cpu().long()
-    groups = batch.group_ids.cpu().long()
     if bool(((prompt + response) <= 0).any()):
         raise ValueError("cannot pack a row without real tokens")
     rows, width, prompt_width = len(prompt), batch.input_ids.shape[1], batch.prompt_width
-    same = (groups[1:] == groups[:-1]) & (prompt[1:] == prompt[:-1])
+    same = _same_group_as_previous(batch)
     if batch.input_ids.device.type == "cpu":  # left-padded to one width: equal windows, equal prompts
         windows = batch.input_ids[:, :prompt_width]
         same &= (windows[1:] == windows[:-1]).all(dim=1)
@@ -174,9 +173,13 @@ def pack_shared(batch) -> tuple[Packed, Tensor]:
 def shared_prompt_tokens(batch) -> int:
     """Prompt tokens a batch's shared-prompt forwards do not run: every row's after its run's first
     (where a micro-batch cuts a run, its next part runs the prompt again: slightly fewer)."""
-    prompt, groups = batch.prompt_lengths.cpu().long(), batch.group_ids.cpu().long()
-    same = (groups[1:] == groups[:-1]) & (prompt[1:] == prompt[:-1])
-    return int(prompt[1:][same].sum())
+    return int(batch.prompt_lengths.cpu()[1:][_same_group_as_previous(batch)].sum())
+
+
+def _same_group_as_previous(batch) -> Tensor:
+    """[B-1] host bools: row b+1 has row b's group id and prompt length."""
+    prompt, groups = batch.prompt_lengths.cpu(), batch.group_ids.cpu()
+    return (groups[1:] == groups[:-1]) & (prompt[1:] == prompt[:-1])
 
 
 def _exclusive_cumsum(values: Tensor) -> Tensor:
