@@ -20,15 +20,18 @@
 #            each, trace_summary.py's table per run, rank 0's trace gzipped into $OUT         (~5 min)
 #   share    one GPU or more: the shared-prompt GPU test, then scaling at 1 GPU with
 #            actor_rollout_ref.model.share_prompts false, then true (GRPO's 8 samples a prompt)  (~5 min)
+#   driver   one GPU or more: scaling at 1 GPU (overrides after the part's name), py-spy sampling the
+#            driver at 100 Hz, step 5 profiled: the driver's samples beside rank 0's trace   (~2 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases|share}
+part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases|share|driver}
+shift  # the rest: overrides for the driver part
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 case $part in
-  scaling|tests|units|tools|phases|share) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
+  scaling|tests|units|tools|phases|share|driver) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
   step) wheels=runs/carry/deps/wheels gsm8k=runs/carry/deps/gsm8k marker=trl ;;
-  *) echo "unknown part $part (scaling, step, tests, units, tools, phases or share)" >&2; exit 2 ;;
+  *) echo "unknown part $part (scaling, step, tests, units, tools, phases, share or driver)" >&2; exit 2 ;;
 esac
 [ -d "$wheels" ] || { echo "$wheels is missing: carry it (see the header)" >&2; exit 2; }
 site=/tmp/site-${wheels//\//-}  # one folder a set of wheels: pip --target skips what one already holds
@@ -81,6 +84,13 @@ case $part in
         --results "$out/share-$share" --budget-s 200 "actor_rollout_ref.model.share_prompts=$share" 2>&1 \
         | grep -E 'metric|timing_s/(gen|ref|update_actor|step)|throughput|mfu|status'
     done
+    exit 0 ;;
+  driver)
+    python3 bench/scaling.py --gpus 1 --steps 5 --sample-driver --gsm8k "$gsm8k" --out /tmp/gpu-check-driver \
+      --results "$out/driver" --budget-s 200 'trainer.profile_steps=[5]' "$@" 2>&1 \
+      | grep -E 'metric|timing_s/(gen|reward|step)|status'
+    trace=/tmp/gpu-check-driver/0.5b_x1/profile/step_5_policy_rank0.json
+    [ -f "$trace" ] && python3 bench/trace_summary.py "$trace" && gzip -c "$trace" > "$out/driver/rank0.json.gz"
     exit 0 ;;
 esac
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00')

@@ -46,27 +46,28 @@ class Packed:
     cu_seq_lens: Tensor  # [B+1] int32, sequence boundaries in the packed row
     max_length: int  # the longest sequence
     offsets: Tensor  # [B+1] int64 on the host: cu_seq_lens, for planning gathers from the packed row
-    # Shared prompts (`pack_shared`): the attention runs on `expand`, the packed row's tokens gathered
-    # into one [prompt; response] sequence per sample (cu_seq_lens and max_length describe that layout),
-    # and `pick` takes each packed token's output back from it. None: the packed row is the layout.
+    # Shared prompts (`pack_shared`): each sample's keys and values are its [prompt; response] gathered
+    # from the packed row (`expand`), laid end to end as `key_cu_seq_lens` says; its queries stay its
+    # tokens in the packed row, the last of its keys. None: the packed row holds every key.
     expand: Tensor | None = None  # [N'] on the device
-    pick: Tensor | None = None  # [N] on the device
+    key_cu_seq_lens: Tensor | None = None  # [B+1] int32, sequence boundaries in the expanded layout
+    key_max_length: int | None = None
 
     def model_kwargs(self) -> dict:
         """What the model's forward takes to run packed. The attention function confines each sequence
         itself; the empty 4D `attention_mask` only makes transformers pass it through as it is instead of
         building a mask, whose packed-sequence detection reads the position ids back from the GPU (a
         sync per forward)."""
-        shared = {} if self.expand is None else {"shared_expand": self.expand, "shared_pick": self.pick}
+        shared = self.expand is not None
         return {
             "input_ids": self.input_ids,
             "attention_mask": self.input_ids.new_empty((1, 1, 0, 0), dtype=torch.bool),
             "position_ids": self.position_ids,
             "cu_seq_lens_q": self.cu_seq_lens,
-            "cu_seq_lens_k": self.cu_seq_lens,
+            "cu_seq_lens_k": self.key_cu_seq_lens if shared else self.cu_seq_lens,
             "max_length_q": self.max_length,
-            "max_length_k": self.max_length,
-            **shared,
+            "max_length_k": self.key_max_length if shared else self.max_length,
+            **({"shared_expand": self.expand} if shared else {}),
         }
 
 
@@ -117,13 +118,14 @@ def pack_shared(batch) -> tuple[Packed, Tensor]:
         rows     p0 p1 a0 a1 | p0 p1 b0          packed     p0 p1 a0 a1 b0
         position  0  1  2  3 |  0  1  2          position    0  1  2  3  2
 
-    The layers see every prompt token once. Attention gathers the keys and values of [prompt; response]
-    per row (`Packed.expand`), so each response sees exactly the tokens it sees unshared, and each packed
-    token's output is taken from one place in that layout (`Packed.pick`: a prompt token's from its run's
-    first row); the gathers' backward adds every row's gradient into the one prompt. Logprobs and
-    gradients are those of pack_batch (to float rounding); the layers' work on prompts drops by the
-    group size. Returns (packed, predicting): the packed position predicting each real response token,
-    in ResponseTokens order.
+    The layers see every prompt token once. Attention gathers each row's keys and values of
+    [prompt; response] (`Packed.expand`), and its queries are the row's tokens in the packed row (the
+    whole sequence for a run's first row, the response for the others): the last of its keys, so a
+    causal mask aligned to the keys' end lets each response see exactly the tokens it sees unshared.
+    The gathers' backward adds every row's gradient into the one prompt. Logprobs and gradients are
+    those of pack_batch (to float rounding); the layers' work on prompts drops by the group size.
+    Returns (packed, predicting): the packed position predicting each real response token, in
+    ResponseTokens order.
 
     A group id stands for one prompt (TrainBatch.group_ids); where the tokens are on the host (CPU runs)
     the prompts are compared too, and rows whose prompts differ are not shared. On a GPU that would wait
@@ -143,7 +145,6 @@ def pack_shared(batch) -> tuple[Packed, Tensor]:
     block = _exclusive_cumsum(shown + response)  # where each row's tokens start in the packed row
     run_first = torch.cummax(torch.where(new_run.bool(), torch.arange(rows), 0), dim=0).values
     prompt_at, response_at = block[run_first], block + shown
-    branch = _exclusive_cumsum(prompt + response)  # each row's [prompt; response] in the expanded layout
     row_base = torch.arange(rows) * width + prompt_width
 
     def laid(*pieces):  # (start, length) pairs a row, row by row: the concatenated ranges
@@ -152,20 +153,20 @@ def pack_shared(batch) -> tuple[Packed, Tensor]:
     source = laid((row_base - prompt, shown), (row_base, response))
     positions = laid((torch.zeros_like(prompt), shown), (prompt, response))
     expand = laid((prompt_at, prompt), (response_at, response))
-    pick = laid((branch, shown), (branch + prompt, response))
     has = (response > 0).long()
     predicting = laid((prompt_at + prompt - 1, has), (response_at, (response - 1).clamp(min=0)))
-    lengths = prompt + response
-    offsets = F.pad(torch.cumsum(lengths, dim=0), (1, 0))
+    queries, keys = shown + response, prompt + response
+    offsets = F.pad(torch.cumsum(queries, dim=0), (1, 0))
     device = batch.input_ids.device
     result = Packed(
         input_ids=batch.input_ids.reshape(-1).index_select(0, to_device(source, device))[None],
         position_ids=to_device(positions, device)[None],
         cu_seq_lens=to_device(offsets.to(torch.int32), device),
-        max_length=int(lengths.max()),
+        max_length=int(queries.max()),
         offsets=offsets,
         expand=to_device(expand, device),
-        pick=to_device(pick, device),
+        key_cu_seq_lens=to_device(F.pad(torch.cumsum(keys, dim=0), (1, 0)).to(torch.int32), device),
+        key_max_length=int(keys.max()),
     )
     return result, predicting
 
@@ -205,31 +206,30 @@ def mask_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: dict, scale: float) -> Tensor:
     """Causal attention within each packed sequence. query [N, H, D], key/value [N, H_kv, D] -> [N, H, D].
-    With shared prompts (`pack_shared`) the sequences are those of the expanded layout."""
+
+    With shared prompts (`pack_shared`) the keys and values are gathered into every sequence's
+    [prompt; response] (`shared_expand`); a sequence's queries are the last of its keys, and the causal
+    mask is aligned to the keys' end (as flash attention aligns it)."""
+    kernel = _cuda_varlen_kernel() if query.is_cuda else None
+    dtype = flash_dtype(query, key, value, cuda_autocast_dtype()) if kernel is not None else None
+    if dtype is not None:  # cast before the gathers: they move half the bytes
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     expand = packed.get("shared_expand")
-    if expand is None:
-        return _varlen_causal_attention(query, key, value, packed, scale)
-    query, key, value = (t.index_select(0, expand) for t in (query, key, value))
-    return _varlen_causal_attention(query, key, value, packed, scale).index_select(0, packed["shared_pick"])
-
-
-def _varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: dict, scale: float) -> Tensor:
-    if query.is_cuda:
-        kernel = _cuda_varlen_kernel()
-        dtype = flash_dtype(query, key, value, cuda_autocast_dtype())
-        if kernel is not None and dtype is not None:
-            query, key, value = (t.to(dtype) for t in (query, key, value))
-            try:
-                return kernel(query, key, value, packed["cu_seq_lens_q"], packed["max_length_q"], scale)
-            except torch.OutOfMemoryError:  # a RuntimeError, but this micro-batch's, not the kernel's fault
-                raise
-            except (RuntimeError, TypeError, ValueError) as exc:  # an older or newer torch's signature
-                log.warning(
-                    "flash attention failed (%s): packed attention runs per sequence from now on", exc
-                )
-                _cuda_varlen_kernel.cache_clear()
-                _DISABLED.add("varlen")
-    return _attention_per_sequence(query, key, value, packed["cu_seq_lens_q"], scale)
+    if expand is not None:
+        key, value = key.index_select(0, expand), value.index_select(0, expand)
+    queries, keys = packed["cu_seq_lens_q"], packed["cu_seq_lens_k"]
+    if dtype is not None:
+        try:
+            return kernel(
+                query, key, value, queries, keys, packed["max_length_q"], packed["max_length_k"], scale
+            )
+        except torch.OutOfMemoryError:  # a RuntimeError, but this micro-batch's, not the kernel's fault
+            raise
+        except (RuntimeError, TypeError, ValueError) as exc:  # an older or newer torch's signature
+            log.warning("flash attention failed (%s): packed attention runs per sequence from now on", exc)
+            _cuda_varlen_kernel.cache_clear()
+            _DISABLED.add("varlen")
+    return _attention_per_sequence(query, key, value, queries, keys, scale)
 
 
 _DISABLED: set[str] = set()
@@ -254,16 +254,28 @@ def cuda_autocast_dtype() -> torch.dtype | None:
     return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
 
 
-def _attention_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seq_lens: Tensor, scale: float):
-    bounds = cu_seq_lens.tolist()
+def _attention_per_sequence(query: Tensor, key: Tensor, value: Tensor, queries: Tensor, keys: Tensor, scale):
+    """Exact causal SDPA a sequence: its n queries are the last n of its keys (mask aligned to the end)."""
     parts = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))  # [1, H, n, D]
+    for (q0, q1), (k0, k1) in zip(_bounds(queries), _bounds(keys)):
+        q, k, v = (
+            t[start:end].transpose(0, 1)[None]
+            for t, start, end in ((query, q0, q1), (key, k0, k1), (value, k0, k1))
+        )
+        past = (k1 - k0) - (q1 - q0)  # keys before the first query: all visible
+        mask = (
+            None if past == 0 else torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril(past)
+        )
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
         parts.append(out[0].transpose(0, 1))
     return torch.cat(parts)
+
+
+def _bounds(cu_seq_lens: Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seq_lens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 @functools.cache
@@ -281,9 +293,10 @@ def _cuda_varlen_kernel():
         )
         return None
 
-    def kernel(q, k, v, cu_seq_lens, longest, scale):
+    def kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale):
         # (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask) -> output, ...
-        return flash(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, 0.0, True, False, scale=scale)[0]
+        # causal with fewer queries than keys: the mask ends at the keys' end (flash-attention >= 2.1)
+        return flash(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
 
     return kernel
 

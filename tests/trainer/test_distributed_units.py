@@ -182,12 +182,15 @@ def test_a_groups_rows_share_one_pass_of_their_prompt_with_the_packed_logprobs_a
     assert packed.input_ids.shape[1] == int(once)
     # what perf/mfu/actor leaves out: rows 1, 2 and 5 ran no prompt of their own
     assert shared_prompt_tokens(batch) == int(batch.prompt_lengths[[1, 2, 5]].sum()) > 0
-    # ... and attention every row's [prompt; response], as unshared
-    assert packed.expand.numel() == int(lengths.sum()) and packed.cu_seq_lens.tolist() == [
-        0,
-        *lengths.cumsum(0).tolist(),
-    ]
+    # ... and attention every row's [prompt; response] as its keys, as unshared; its queries are its
+    # tokens in the packed row
+    assert packed.expand.numel() == int(lengths.sum())
+    assert packed.key_cu_seq_lens.tolist() == [0, *lengths.cumsum(0).tolist()]
+    assert packed.key_max_length == int(lengths.max())
     assert packed.input_ids[0, packed.expand].tolist() == pack_batch(batch).input_ids[0].tolist()
+    queries = batch.response_lengths.clone()
+    queries[[0, 3, 4]] += batch.prompt_lengths[[0, 3, 4]]
+    assert packed.cu_seq_lens.tolist() == [0, *queries.cumsum(0).tolist()] == packed.offsets.tolist()
     unshared = _logprobs_and_grads(model_dir, batch, share=False)
     shared = _logprobs_and_grads(model_dir, batch, share=True)
     torch.testing.assert_close(shared[0], unshared[0], atol=1e-5, rtol=0)
@@ -418,16 +421,48 @@ def test_flash_attention_takes_grouped_kv_heads_and_gives_the_gradients_of_atten
         (torch.randn(n, heads, 64, generator=gen) * 0.5).to("cuda", torch.bfloat16).requires_grad_()
         for heads in (14, 2, 2)
     ]
-    packed = {"cu_seq_lens_q": cu, "max_length_q": max(lengths)}
+    longest = max(lengths)
+    packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     flash = packing.varlen_causal_attention(*leaves, packed, scale=0.125)
     assert "varlen" not in packing._DISABLED
-    exact = packing._attention_per_sequence(*leaves, cu, scale=0.125)
+    exact = packing._attention_per_sequence(*leaves, cu, cu, scale=0.125)
     torch.testing.assert_close(flash.float(), exact.float(), atol=2e-2, rtol=2e-2)
     grad_out = torch.randn(flash.shape, generator=gen).to("cuda", torch.bfloat16)
     grads = torch.autograd.grad(flash, leaves, grad_out)
     expected = torch.autograd.grad(exact, leaves, grad_out)
     for got, want in zip(grads, expected):
         assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_flash_attention_with_fewer_queries_than_keys_ends_the_causal_mask_at_the_keys_end():
+    # shared prompts' layout: a sequence's queries are the last of its keys (its response), and
+    # flash attention must align the causal mask to the keys' end as the per-sequence path does
+    from trainer import packing
+
+    gen = torch.Generator().manual_seed(1)
+    queries, keys = [5, 40, 1, 33], [5, 60, 9, 50]  # one sequence whole, three with a prompt before
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    leaves = [
+        (torch.randn(n, heads, 64, generator=gen) * 0.5).to("cuda", torch.bfloat16).requires_grad_()
+        for n, heads in ((sum(queries), 14), (sum(keys), 2), (sum(keys), 2))
+    ]
+    packed = {
+        "cu_seq_lens_q": cu(queries), "cu_seq_lens_k": cu(keys),
+        "max_length_q": max(queries), "max_length_k": max(keys),
+    }  # fmt: skip
+    flash = packing.varlen_causal_attention(*leaves, packed, scale=0.125)
+    assert "varlen" not in packing._DISABLED
+    exact = packing._attention_per_sequence(*leaves, cu(queries), cu(keys), scale=0.125)
+    torch.testing.assert_close(flash.float(), exact.float(), atol=2e-2, rtol=2e-2)
+    grad_out = torch.randn(flash.shape, generator=gen).to("cuda", torch.bfloat16)
+    for got, want in zip(
+        torch.autograd.grad(flash, leaves, grad_out), torch.autograd.grad(exact, leaves, grad_out)
+    ):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
 
