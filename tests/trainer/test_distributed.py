@@ -96,19 +96,22 @@ def policy_settings(
     entropy=0.01,
     skip=False,
     layers_per_unit=1,
+    share=False,
+    micro_batch=MICRO_BATCH,
 ) -> PolicyRankSettings:
     """engine: the colocated engine's name (builtin, hf), None for none; budget: use_dynamic_bsz's
     tokens per micro-batch (update and logprobs), None for sequence counts; entropy, skip: the loss's
-    entropy_coeff and skip_zero_advantage_rows."""
+    entropy_coeff and skip_zero_advantage_rows; share: model.share_prompts."""
     tokens = TokenBudget(budget) if budget else None
     return PolicyRankSettings(
         model=ModelSettings(
             path=str(model_dir),
             remove_padding=remove_padding,
+            share_prompts=share,
             fsdp=FSDPSettings(layers_per_unit=layers_per_unit),
         ),
         optim=optim(),
-        update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH, token_budget=tokens),
+        update=UpdateSettings(mini_batch_size=MINI_BATCH, micro_batch_size=micro_batch, token_budget=tokens),
         loss=loss_settings(mode, entropy, skip),
         log_prob_micro_batch_size=tokens or 2,
         engine=EngineSettings(name=engine, context_length=context) if engine else None,
@@ -121,7 +124,8 @@ def policy_group(model_dir, nnodes: int, **settings) -> PolicyGroup:
     pool = ResourcePool(nnodes, 1, use_gpu=False)
     build = functools.partial(PolicyRank, policy_settings(model_dir, **settings))
     ranks = RayRanks(pool, build, role="policy", seed=0)
-    return PolicyGroup(ranks, mini_batch_size=MINI_BATCH), pool
+    whole = settings.get("share", False)
+    return PolicyGroup(ranks, mini_batch_size=MINI_BATCH, whole_groups=whole), pool
 
 
 def close(group, pool):
@@ -140,21 +144,26 @@ def process_ends(pid: int, within_s: float) -> bool:
     return False
 
 
-def make_batch(seed: int, rows: int = 8) -> TrainBatch:
+def make_batch(seed: int, rows: int = 8, same_prompts: bool = False) -> TrainBatch:
     """Prompts and responses of different lengths (so ranks get different token counts), one masked token
-    inside some responses, old logprobs off-policy by a little and +-advantages."""
+    inside some responses, old logprobs off-policy by a little and +-advantages. Rows 2k and 2k+1 are one
+    group (prompt index k); same_prompts: with one prompt, as GRPO's samples are."""
     gen = torch.Generator().manual_seed(seed)
     rollouts = []
     for index in range(rows):
         prompt_len, response_len = (
             int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((2, 8), (1, 9))
         )
+        if same_prompts and index % 2:
+            prompt_len = len(rollouts[-1].prompt_ids)
         loss_mask = [1] * response_len
         if response_len > 3:
             loss_mask[1] = 0
         rollouts.append(
             Rollout(
-                prompt_ids=torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist(),
+                prompt_ids=rollouts[-1].prompt_ids
+                if same_prompts and index % 2
+                else torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist(),
                 response_ids=torch.randint(3, VOCAB, (response_len,), generator=gen).tolist(),
                 logprobs=[0.0] * response_len,
                 loss_mask=loss_mask,
@@ -243,6 +252,24 @@ def test_token_budget_micro_batches_on_two_ranks_give_the_update_of_one_process(
         torch.testing.assert_close(
             group.compute_logprobs(probe).logprobs, single.compute_logprobs(probe).logprobs, atol=1e-4, rtol=0
         )
+    finally:
+        close(group, pool)
+
+
+def test_two_ranks_sharing_prompts_get_whole_groups_and_give_the_update_of_one_process(
+    cluster, model_dir, tmp_path
+):
+    # model.share_prompts: a prompt's group goes to one rank, whose micro-batch of 2 runs its prompt once
+    group, pool = policy_group(model_dir, nnodes=2, share=True, micro_batch=2)
+    try:
+        group.save(str(tmp_path / "start"))
+        single = local_policy(model_dir, "token-mean", checkpoint=tmp_path / "start", micro_batch=2)
+        for seed in (1, 2):
+            batch = make_batch(seed=seed, same_prompts=True)
+            plan, _ = group.scatter(batch, MINI_BATCH)
+            for rows in plan.shards:  # each mini-batch's part: one whole group (rows 2k, 2k+1)
+                assert all(rows[i] // 2 == rows[i + 1] // 2 for i in range(0, len(rows), 2))
+            assert_same_metrics(group.update(batch), single.update(batch))
     finally:
         close(group, pool)
 

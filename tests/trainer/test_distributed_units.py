@@ -60,6 +60,26 @@ def test_shard_rows_splits_every_mini_batch_over_the_ranks():
     assert shard_rows(weights[:8], 2, chunk=4, balance=False) == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
+def test_shard_rows_deals_whole_groups_to_a_role_that_shares_prompts():
+    # 4 groups of 3 (a prompt's samples, consecutive) in one mini-batch of 12 over 2 ranks
+    groups = [7, 7, 7, 2, 2, 2, 9, 9, 9, 4, 4, 4]
+    weights = [30, 30, 30, 1, 1, 1, 20, 20, 20, 9, 9, 9]
+    shards = shard_rows(weights, 2, groups=groups)
+    assert sorted(shards[0] + shards[1]) == list(range(12))
+    for rank_rows in shards:  # each group's rows on one rank, so each rank runs its prompts once
+        assert len(rank_rows) == 6 and all(
+            len({groups[i] for i in rank_rows[k : k + 3]}) == 1 for k in (0, 3)
+        )
+    # balanced by the groups' tokens: 90 + 3 against 60 + 27
+    assert sorted(sum(weights[i] for i in rows) for rows in shards) == [87, 93]
+    # row by row where groups cannot be dealt whole: unequal sizes, or a count that does not divide
+    assert shard_rows(weights, 2, groups=[0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3]) == shard_rows(weights, 2)
+    assert shard_rows(weights[:6], 2, groups=[1, 1, 2, 2, 3, 3]) == shard_rows(weights[:6], 2)
+    # per mini-batch: each chunk of 6 is dealt on its own, a group to a rank
+    chunked = shard_rows(weights, 2, chunk=6, groups=groups)
+    assert [r // 6 for r in chunked[0]] == [0, 0, 0, 1, 1, 1]
+
+
 def test_scatter_puts_rows_back_in_batch_order():
     # heaviest first: 5 (row 0) -> rank 0, 4 (row 2) -> rank 1, 2 (row 3) -> rank 1, 1 (row 1) -> rank 0
     plan = Scatter.plan([5, 1, 4, 2], 2)

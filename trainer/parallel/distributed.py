@@ -13,7 +13,8 @@ A role (policy, reference, critic) runs as W ranks, each holding 1/W of every pa
 Rows are dealt to ranks balanced by tokens (verl's `trainer.balance_batch`): every rank gets the same
 number of rows, because FSDP ranks must run the same number of forward and backward passes (each pass
 gathers parameters collectively), and the rows are chosen so that token counts are as even as a
-greedy longest-first deal makes them.
+greedy longest-first deal makes them. Where a role shares prompts (`model.share_prompts`), GRPO's groups
+(one prompt's n consecutive rows) are dealt whole, so each rank still runs each of its prompts once.
 
 `DataParallel` is what a worker asks of the group it belongs to; `SINGLE_PROCESS` is the trivial one,
 so the single-process trainer runs the very same code.
@@ -160,13 +161,20 @@ def contiguous_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
 
 
 def shard_rows(
-    weights: Sequence[int], parts: int, chunk: int | None = None, *, balance: bool = True
+    weights: Sequence[int],
+    parts: int,
+    chunk: int | None = None,
+    *,
+    balance: bool = True,
+    groups: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Row indices for each rank: every consecutive `chunk` of rows (a mini-batch) is balanced on its own.
 
     Rank r's list is its share of chunk 0, then of chunk 1, ...: split by chunk // parts, rank r's
     k-th piece belongs to global mini-batch k. The last chunk may be shorter (as verl allows), but
     every chunk must split evenly over the ranks. chunk None: the whole batch is one chunk.
+    groups (a label a row, balance on): a chunk whose rows form runs of one label, all of one size and
+    as many as a multiple of `parts`, is dealt a run at a time (`whole_runs`); other chunks row by row.
     """
     chunk = chunk or len(weights)
     shards: list[list[int]] = [[] for _ in range(parts)]
@@ -176,11 +184,26 @@ def shard_rows(
             raise ValueError(
                 f"a mini-batch of {rows} sequences does not split evenly over {parts} data-parallel ranks"
             )
-        partition = balanced_partition if balance else contiguous_partition
-        local = partition(weights[start : start + chunk], parts)
-        for rank, indices in enumerate(local):
+        local = weights[start : start + chunk]
+        runs = whole_runs(groups[start : start + chunk], parts) if balance and groups is not None else None
+        if runs is not None:
+            dealt = balanced_partition([sum(local[i] for i in run) for run in runs], parts)
+            partition = [[i for r in deal for i in runs[r]] for deal in dealt]
+        else:
+            partition = (balanced_partition if balance else contiguous_partition)(local, parts)
+        for rank, indices in enumerate(partition):
             shards[rank].extend(start + i for i in indices)
     return shards
+
+
+def whole_runs(labels: Sequence[int], parts: int) -> list[range] | None:
+    """The runs of consecutive equal labels, if they are all of one size and their count divides by
+    `parts` (every rank then gets as many rows); else None."""
+    starts = [i for i in range(len(labels)) if i == 0 or labels[i] != labels[i - 1]]
+    runs = [range(a, b) for a, b in zip(starts, [*starts[1:], len(labels)])]
+    if not runs or len(runs) % parts or len({len(run) for run in runs}) != 1:
+        return None
+    return runs
 
 
 @dataclass(frozen=True)
@@ -191,9 +214,16 @@ class Scatter:
 
     @classmethod
     def plan(
-        cls, token_counts: Sequence[int], parts: int, chunk: int | None = None, *, balance: bool = True
+        cls,
+        token_counts: Sequence[int],
+        parts: int,
+        chunk: int | None = None,
+        *,
+        balance: bool = True,
+        groups: Sequence[int] | None = None,
     ) -> Scatter:
-        return cls(tuple(tuple(rows) for rows in shard_rows(token_counts, parts, chunk, balance=balance)))
+        shards = shard_rows(token_counts, parts, chunk, balance=balance, groups=groups)
+        return cls(tuple(tuple(rows) for rows in shards))
 
     def gather_rows(self, per_rank: Sequence[Tensor], width: int | None = None) -> Tensor:
         """Per-rank [b_r, T_r] results -> [B, width] in the original row order (zero-padded columns)."""

@@ -43,9 +43,10 @@ class RoleGroup:
 
     role_name = "role"
 
-    def __init__(self, ranks: Ranks, *, balance: bool = True) -> None:
-        """balance: deal rows to ranks by tokens (trainer.balance_batch), else in consecutive runs."""
-        self.ranks, self.balance = ranks, balance
+    def __init__(self, ranks: Ranks, *, balance: bool = True, whole_groups: bool = False) -> None:
+        """balance: deal rows to ranks by tokens (trainer.balance_batch), else in consecutive runs.
+        whole_groups (balanced, a role that shares prompts): a prompt's group goes to one rank."""
+        self.ranks, self.balance, self.whole_groups = ranks, balance, whole_groups
         self.world_size = ranks.world_size
 
     @property
@@ -70,7 +71,8 @@ class RoleGroup:
     def scatter(self, batch: TrainBatch, chunk: int | None = None) -> tuple[Scatter, list[tuple[TrainBatch]]]:
         """Rows for each rank, balanced by tokens within every `chunk` (mini-batch) of the batch."""
         tokens = (batch.prompt_lengths + batch.response_lengths).tolist()
-        plan = Scatter.plan(tokens, self.world_size, chunk, balance=self.balance)
+        groups = batch.group_ids.tolist() if self.whole_groups and self.world_size > 1 else None
+        plan = Scatter.plan(tokens, self.world_size, chunk, balance=self.balance, groups=groups)
         return plan, [(batch.select(list(rows)),) for rows in plan.shards]
 
 
@@ -231,11 +233,23 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
             role: LocalRanks(build, role=role, device=device, seed=trainer.seed)
             for role, build in builds.items()
         }
-    balance = trainer.balance_batch
+    balance, whole = trainer.balance_batch, policy.model.share_prompts  # the reference's model settings too
     groups = Groups(
-        policy=PolicyGroup(ranks["policy"], mini_batch_size=policy.update.mini_batch_size, balance=balance),
-        reference=ReferenceGroup(ranks["reference"], balance=balance) if "reference" in ranks else None,
-        critic=CriticGroup(ranks["critic"], mini_batch_size=critic.update.mini_batch_size, balance=balance)
+        policy=PolicyGroup(
+            ranks["policy"],
+            mini_batch_size=policy.update.mini_batch_size,
+            balance=balance,
+            whole_groups=whole,
+        ),
+        reference=ReferenceGroup(ranks["reference"], balance=balance, whole_groups=whole)
+        if "reference" in ranks
+        else None,
+        critic=CriticGroup(
+            ranks["critic"],
+            mini_batch_size=critic.update.mini_batch_size,
+            balance=balance,
+            whole_groups=critic.model.share_prompts,
+        )
         if critic is not None
         else None,
         pools=pools,
