@@ -21,10 +21,8 @@ def profiled(log_dir: str, step: int, steps: Sequence[int] | None, groups: Seque
     if not steps or step not in steps:
         yield
         return
-    from torch.profiler import profile
-
     folder, name = Path(log_dir) / "profile", f"step_{step}"
-    prof, ran, started = profile(activities=profiler_activities()), False, []
+    prof, ran, started = new_profiler(), False, []
     try:
         for group in groups:
             group.start_profile()
@@ -42,6 +40,20 @@ def profiled(log_dir: str, step: int, steps: Sequence[int] | None, groups: Seque
                     raise
         if ran:
             write_profile(prof, folder, name)
+
+
+def new_profiler():
+    """torch.profiler over the CPU (and CUDA) activity of every thread, where this torch can. A rank
+    generates on its engine's thread and hands rollouts over on its replica's; profiled from the calling
+    thread only (torch's default), a one-GPU step's trace showed ~150 ms around generation with no op at
+    all (BENCHMARKS.md, 2026-12-02)."""
+    from torch.profiler import profile
+
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # an older torch: the calling thread only
+        return profile(activities=profiler_activities())
+    return profile(activities=profiler_activities(), experimental_config=config)
 
 
 def profiler_activities() -> list:

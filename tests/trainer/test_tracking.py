@@ -417,3 +417,39 @@ def test_a_profiled_step_that_raises_is_written_and_its_error_propagates(tmp_pat
         raise ValueError("the step failed")
     assert "aten::mm" in (tmp_path / "profile" / "step_5.txt").read_text()
     assert (tmp_path / "profile" / "step_5.json").exists()
+
+
+def test_a_profiled_step_records_the_work_of_a_thread_that_was_running_before_it(tmp_path):
+    # a rank generates on its engine's thread, started long before the profiled step: its ops and
+    # ranges belong in the trace (torch's default profiles the thread that starts it only)
+    import json
+    import queue
+    import threading
+
+    from trainer.profiling import profiled
+
+    jobs: queue.Queue = queue.Queue()
+
+    def engine():
+        while (job := jobs.get()) is not None:
+            job()
+
+    worker = threading.Thread(target=engine)
+    worker.start()
+    try:
+        done = threading.Event()
+
+        def job():
+            with torch.profiler.record_function("engine.job"):
+                torch.ones(32, 32) @ torch.ones(32, 32)
+            done.set()
+
+        with profiled(str(tmp_path), 1, [1]):
+            jobs.put(job)
+            assert done.wait(30)
+    finally:
+        jobs.put(None)
+        worker.join()
+    events = json.loads((tmp_path / "profile" / "step_1.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events if e.get("tid") == worker.native_id}
+    assert {"engine.job", "aten::mm"} <= names

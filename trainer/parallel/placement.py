@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from trainer.parallel.distributed import NCCL_ENV, free_port, init_data_parallel, local_data_parallel
-from trainer.profiling import profiler_activities, write_profile
+from trainer.profiling import new_profiler, write_profile
 from trainer.rollout.base import pack_rollouts, unpack_rollouts
 
 log = logging.getLogger("trainer")
@@ -248,10 +248,12 @@ class RankActor:
                 remaining -= len(done)
                 answered = [i for i in done if not tasks[i].cancelled()]
                 served = [i for i in answered if tasks[i].exception() is None]
+                with torch.profiler.record_function("replica.pack_rollouts"):
+                    packed = pack_rollouts([rollout for i in served for rollout in tasks[i].result()])
                 yield (
                     served,
                     [len(tasks[i].result()) for i in served],
-                    pack_rollouts([rollout for i in served for rollout in tasks[i].result()]),
+                    packed,
                     [(i, tasks[i].exception()) for i in answered if tasks[i].exception() is not None],
                 )
         finally:
@@ -290,10 +292,8 @@ class RankActor:
     def start_profile(self) -> None:
         """torch.profiler from now until stop_profile (trainer.profile_steps reaching into the ranks); a
         process of several roles is profiled once, from the first role's start to its stop."""
-        from torch.profiler import profile
-
         if self.profiler is None:
-            self.profiler = profile(activities=profiler_activities())
+            self.profiler = new_profiler()
             self.profiler.__enter__()
 
     def stop_profile(self, folder: str, name: str) -> None:
