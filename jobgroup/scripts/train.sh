@@ -25,6 +25,10 @@
 #   MAX_TOOL_RESPONSE_LENGTH, TOOL_RESPONSE_TRUNCATE_SIDE (left, right or middle): the tokens of one tool
 #     response kept, and which part (unset: the config's 256, middle)
 #   VAL_BEFORE_TRAIN=true (a flag): validate once before the first step
+#   USE_REMOVE_PADDING=true (a flag): pack each micro-batch without padding (verl's
+#     actor_rollout_ref.model.use_remove_padding; varlen flash attention); SHARE_PROMPTS=true (a flag, with
+#     packing only): a prompt's ROLLOUT_N samples run the prompt through the layers once, the same
+#     gradients (actor_rollout_ref.model.share_prompts, ours; on one H200 the step 0.91x: BENCHMARKS.md)
 #   NNODES / GPUS_PER_NODE (default from SKYPILOT_NUM_NODES / SKYPILOT_NUM_GPUS_PER_NODE, else 1)
 #   DATA_SERVER_URL, REWARD_SERVER_URL, RETRIEVAL_SERVER_URL, CODE_EXECUTOR_URL: the services
 #     (comma-separated replicas; the tool configs read RETRIEVAL_SERVER_URL and CODE_EXECUTOR_URL themselves)
@@ -89,6 +93,9 @@ flag DRY_RUN && dry_run=1
 val_before_train=True
 if [ -n "${VAL_BEFORE_TRAIN:-}" ] && ! flag VAL_BEFORE_TRAIN; then val_before_train=False; fi
 MAX_ASSISTANT_TURNS=${MAX_ASSISTANT_TURNS:-4}
+packed=True shared=True
+if [ -n "${USE_REMOVE_PADDING:-}" ] && ! flag USE_REMOVE_PADDING; then packed=False shared=False; fi
+if [ -n "${SHARE_PROMPTS:-}" ] && ! flag SHARE_PROMPTS; then shared=False; fi
 
 logger="['console']"
 [ -n "${WANDB_API_KEY:-}" ] && logger="['console','wandb']"
@@ -101,6 +108,8 @@ args=(
   "data.max_prompt_length=$MAX_PROMPT_LENGTH"
   "data.max_response_length=$MAX_RESPONSE_LENGTH"
   "actor_rollout_ref.model.path=$MODEL_NAME"
+  "actor_rollout_ref.model.use_remove_padding=$packed"
+  "actor_rollout_ref.model.share_prompts=$shared"
   "actor_rollout_ref.actor.optim.lr=$ACTOR_LR"
   "actor_rollout_ref.actor.ppo_mini_batch_size=$PPO_MINI_BATCH_SIZE"
   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$PPO_MICRO_BATCH_SIZE_PER_GPU"

@@ -480,6 +480,20 @@ def test_train_sh_maps_the_trainer_envs_to_trainer_keys():
     assert keys["services.data_url"] == "'http://data-server-0.g2:8000'"
     assert argv[-1] == "actor_rollout_ref.rollout.n=8"  # extra keys come last, so they win
     assert keys["actor_rollout_ref.rollout.name"] == "auto"  # the built-in engine, not transformers'
+    # packed micro-batches, a prompt's samples sharing its pass (the same gradients, fewer tokens) ...
+    assert keys["actor_rollout_ref.model.use_remove_padding"] == keys["actor_rollout_ref.model.share_prompts"]
+    assert keys["actor_rollout_ref.model.share_prompts"] == "True"
+    trainer_dry_run(argv[3:])
+    # ... and off with packing (shared prompts need it), or on their own
+    for envs_off, want in (
+        ({"USE_REMOVE_PADDING": "no"}, ("False", "False")),
+        ({"SHARE_PROMPTS": "0"}, ("True", "False")),
+    ):
+        off = dict(a.split("=", 1) for a in train_sh_argv({**envs, **envs_off})[3:])
+        assert (
+            off["actor_rollout_ref.model.use_remove_padding"],
+            off["actor_rollout_ref.model.share_prompts"],
+        ) == want
 
 
 def test_train_sh_hands_the_groups_token_to_the_trainer_off_the_command_line(tmp_path):
