@@ -193,8 +193,13 @@ def summarise(result: dict) -> dict:
     }
 
 
-def env() -> dict:
-    environment = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+def env(*, trl: bool = False) -> dict:
+    """The arms' environment. TRL's: tokenizers' threads off (its datasets map forks after tokenizing,
+    where they would deadlock or warn); ours keeps the library's default, which decodes a step's
+    responses on every core (with it off too, as before 2026-12-02, ours decoded them on one core)."""
+    environment = dict(os.environ, HF_HUB_OFFLINE="1")
+    if trl:
+        environment["TOKENIZERS_PARALLELISM"] = "false"
     environment["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), environment.get("PYTHONPATH")) if p)
     return environment
 
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     child = [sys.executable, str(Path(__file__).resolve()), "--arm", "trl", *(argv or sys.argv[1:])]
     with open(args.out / "trl.log", "w") as log:
-        subprocess.run(child, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT, env=env())
+        subprocess.run(child, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT, env=env(trl=True))
     results["trl"] = summarise(json.loads((args.out / "trl.json").read_text()))
     ratio = results["ours"]["tokens_per_s_per_gpu"] / results["trl"]["tokens_per_s_per_gpu"]
     summary = {
