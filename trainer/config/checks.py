@@ -20,6 +20,7 @@ def problems(config: Config) -> list[str]:
         *ray_problems(config),
         *batch_size_problems(config),
         *path_problems(config),
+        *packing_problems(config),
         *algorithm_problems(config),
         *multi_turn_problems(config),
         *checkpoint_problems(config),
@@ -285,6 +286,27 @@ def path_problems(config: Config) -> list[str | None]:
     return found
 
 
+# ---------------------------------------------------------------------------------------- packing
+
+
+def packing_problems(config: Config) -> list[str]:
+    """Shared prompts without packing (a shared prompt is a packed layout), for the actor's model and a
+    critic's whose settings differ (else the critic's are the actor's: one line says it)."""
+    arr, critic = config.actor_rollout_ref, config.critic.model
+    models = [("actor_rollout_ref.model", arr.model)]
+    if config.use_critic and (critic.share_prompts, critic.use_remove_padding) != (
+        arr.model.share_prompts,
+        arr.model.use_remove_padding,
+    ):
+        models.append(("critic.model", critic))
+    return [
+        f"{key}.share_prompts needs {key}.use_remove_padding=true (a shared prompt is a packed layout; a "
+        "padded batch has a row per sample)"
+        for key, model in models
+        if model.share_prompts and not model.use_remove_padding
+    ]
+
+
 # ---------------------------------------------------------------------------------------- algorithm
 
 
@@ -292,19 +314,6 @@ def algorithm_problems(config: Config) -> list[str]:
     """What cannot work: a critic-less GAE, a group of one to filter, an adaptive KL aimed at 0, ..."""
     arr, algo, data = config.actor_rollout_ref, config.algorithm, config.data
     found = []
-    critic = config.critic.model
-    models = [("actor_rollout_ref.model", arr.model)]
-    if config.use_critic and (critic.share_prompts, critic.use_remove_padding) != (
-        arr.model.share_prompts,
-        arr.model.use_remove_padding,
-    ):  # else the critic's values are the actor's: one line says it
-        models.append(("critic.model", critic))
-    for key, model in models:
-        if model.share_prompts and not model.use_remove_padding:
-            found.append(
-                f"{key}.share_prompts needs {key}.use_remove_padding=true (a shared prompt is a packed "
-                "layout; a padded batch has a row per sample)"
-            )
     if algo.adv_estimator == "gae" and not config.use_critic:
         found.append("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
     if algo.filter_groups.enable and arr.rollout.n < 2:
