@@ -13,7 +13,8 @@ recorded under, trainer/parallel/placement.py; the time outside them is generati
 driver) its wall time, the GPU's busy time in it (the union of kernels, copies and sets), how much of
 that was NCCL's kernels (collectives), the GPU's idle time, and the host's CPU-op time per GPU-busy time
 (above ~1 the phase launches slower than the GPU runs: host-bound). A rank idle between phases is
-waiting for the driver or for another rank.
+waiting for the driver or for another rank. Then every stretch of at least --gap-ms with no GPU work,
+with the host ranges and ops that overlapped it most and their threads (a trace, .json or .json.gz).
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ def clip(intervals: list[tuple[float, float]], start: float, stop: float) -> lis
     return [(max(a, start), min(b, stop)) for a, b in intervals if b > start and a < stop]
 
 
+def load(path: Path) -> list[dict]:
+    """A Chrome trace's events (plain or gzipped JSON)."""
+    events = json.loads(gzip.open(path).read() if path.suffix == ".gz" else path.read_text())
+    return events.get("traceEvents", events) if isinstance(events, dict) else events
+
+
 def summarize(path: Path) -> list[dict]:
-    events = json.loads(path.read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    complete = [e for e in load(path) if e.get("ph") == "X" and "dur" in e]
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in complete if e.get("cat") in GPU_CATEGORIES]
     nccl = [
         (e["ts"], e["ts"] + e["dur"])
@@ -99,6 +104,48 @@ def summarize(path: Path) -> list[dict]:
     return out
 
 
+def gpu_gaps(path: Path, min_ms: float = 5.0, top: int = 4) -> list[dict]:
+    """Every stretch of at least `min_ms` where the GPU ran nothing: when (ms from the trace's first GPU
+    work), how long, how much of it some host thread's op or range covered, and the ranges and ops that
+    overlapped it most, with their thread's name (the engine's and the replica's threads show where the
+    profiler records every thread: trainer/profiling.py)."""
+    events = load(path)
+    threads = {
+        (e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in complete if e.get("cat") in GPU_CATEGORIES)
+    host = [e for e in complete if e.get("cat") in ("cpu_op", "user_annotation")]
+    if not gpu:
+        return []
+    gaps, end = [], gpu[0][1]
+    for start, stop in gpu[1:]:
+        if start - end >= min_ms * 1e3:
+            gaps.append((end, start))
+        end = max(end, stop)
+    out = []
+    for start, stop in gaps:
+        overlaps = {}
+        for e in host:
+            seen = min(stop, e["ts"] + e["dur"]) - max(start, e["ts"])
+            if seen > 0:
+                key = (threads.get((e.get("pid"), e.get("tid"))) or f"tid {e.get('tid')}", e["name"])
+                overlaps[key] = max(overlaps.get(key, 0.0), seen)
+        covered = union_us(clip([(e["ts"], e["ts"] + e["dur"]) for e in host], start, stop))
+        ranked = sorted(overlaps.items(), key=lambda item: -item[1])[:top]
+        out.append(
+            {
+                "at_ms": (start - gpu[0][0]) / 1e3,
+                "idle_ms": (stop - start) / 1e3,
+                "host_ms": covered / 1e3,
+                "overlapping": [(thread, name, ms / 1e3) for (thread, name), ms in ranked],
+            }
+        )
+    return out
+
+
 def summarize_samples(path: Path, within: str, last_s: float, top: int = 12) -> list[str]:
     """py-spy's speedscope file: per thread, the time of the samples through `within` in its last `last_s`
     seconds (all when 0), by where they were: the innermost trainer/ frames, then the frame running."""
@@ -130,10 +177,11 @@ def main() -> None:
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--within", default="", help="py-spy samples: only stacks through this function")
     parser.add_argument("--last", type=float, default=0.0, help="py-spy samples: a thread's last seconds")
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="traces: list GPU idle stretches this long")
     args = parser.parse_args()
     for path in args.traces:
         print(f"\n{path}")
-        if path.name.endswith((".json.gz", "driver.json")):  # py-spy's samples
+        if path.name.endswith(("driver.json.gz", "driver.json")):  # py-spy's samples
             print("\n".join(summarize_samples(path, args.within, args.last)))
             continue
         print(f"  {'phase':<38}{'wall ms':>10}{'GPU busy':>10}{'NCCL':>9}{'GPU idle':>10}{'CPU/GPU':>9}")
@@ -142,6 +190,12 @@ def main() -> None:
                 f"  {row['phase']:<38}{row['wall_ms']:>10.1f}{row['gpu_busy_ms']:>10.1f}"
                 f"{row['nccl_ms']:>9.1f}{row['gpu_idle_ms']:>10.1f}{row['cpu_per_gpu']:>9.2f}"
             )
+        gaps = gpu_gaps(path, args.gap_ms)
+        if gaps:
+            print(f"  GPU idle >= {args.gap_ms:g} ms: at ms, idle ms, host-covered ms | what overlapped most")
+        for gap in gaps:
+            what = "; ".join(f"{thread}: {name[:48]} {ms:.1f}" for thread, name, ms in gap["overlapping"])
+            print(f"    {gap['at_ms']:>8.1f} {gap['idle_ms']:>7.1f} {gap['host_ms']:>7.1f} | {what or '-'}")
 
 
 if __name__ == "__main__":
