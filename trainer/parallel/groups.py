@@ -233,21 +233,16 @@ def build_groups(cfg: Config, device: torch.device, precision: Precision, steps:
             role: LocalRanks(build, role=role, device=device, seed=trainer.seed)
             for role, build in builds.items()
         }
-    balance, whole = trainer.balance_batch, policy.model.share_prompts  # the reference's model settings too
+    # rows balanced by tokens; a role that shares prompts gets each prompt's group whole (the reference
+    # runs the actor's model settings)
+    dealt = {"balance": trainer.balance_batch, "whole_groups": policy.model.share_prompts}
     groups = Groups(
-        policy=PolicyGroup(
-            ranks["policy"],
-            mini_batch_size=policy.update.mini_batch_size,
-            balance=balance,
-            whole_groups=whole,
-        ),
-        reference=ReferenceGroup(ranks["reference"], balance=balance, whole_groups=whole)
-        if "reference" in ranks
-        else None,
+        policy=PolicyGroup(ranks["policy"], mini_batch_size=policy.update.mini_batch_size, **dealt),
+        reference=ReferenceGroup(ranks["reference"], **dealt) if "reference" in ranks else None,
         critic=CriticGroup(
             ranks["critic"],
             mini_batch_size=critic.update.mini_batch_size,
-            balance=balance,
+            balance=trainer.balance_batch,
             whole_groups=critic.model.share_prompts,
         )
         if critic is not None

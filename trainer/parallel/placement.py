@@ -248,14 +248,10 @@ class RankActor:
                 remaining -= len(done)
                 answered = [i for i in done if not tasks[i].cancelled()]
                 served = [i for i in answered if tasks[i].exception() is None]
+                failed = [(i, tasks[i].exception()) for i in answered if tasks[i].exception() is not None]
                 with torch.profiler.record_function("replica.pack_rollouts"):
                     packed = pack_rollouts([rollout for i in served for rollout in tasks[i].result()])
-                yield (
-                    served,
-                    [len(tasks[i].result()) for i in served],
-                    packed,
-                    [(i, tasks[i].exception()) for i in answered if tasks[i].exception() is not None],
-                )
+                yield served, [len(tasks[i].result()) for i in served], packed, failed
         finally:
             with self.loop_lock:
                 self.requests.pop(batch, None)
