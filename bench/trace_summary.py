@@ -20,6 +20,7 @@ with the host ranges and ops that overlapped it most and their threads (a trace,
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 from collections import Counter
@@ -43,6 +44,7 @@ def clip(intervals: list[tuple[float, float]], start: float, stop: float) -> lis
     return [(max(a, start), min(b, stop)) for a, b in intervals if b > start and a < stop]
 
 
+@functools.lru_cache(maxsize=1)  # the phase table and the gaps read the same trace: parse it once
 def load(path: Path) -> list[dict]:
     """A Chrome trace's events (plain or gzipped JSON)."""
     events = json.loads(gzip.open(path).read() if path.suffix == ".gz" else path.read_text())
