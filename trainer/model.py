@@ -83,6 +83,17 @@ def default_precision(device: torch.device | str, mixed_precision: str = "auto")
     return Precision(param_dtype=torch.float32, autocast_dtype=torch.bfloat16 if bf16 else None)
 
 
+def without_cudnn_attention() -> None:
+    """SDPA in this process never takes cuDNN's attention (process-wide: SDPA's backend flags are global).
+
+    cuDNN's attention, SDPA's first choice on Hopper in recent torch, builds an execution plan on the
+    host for every new shape: on an H200 (torch 2.11) 55-65 ms a forward and 90-116 ms a forward and
+    backward at [64, 14, ~200, 64] against 0.1-0.9 ms for flash attention, which has no per-shape setup
+    (bench/prefill_attention.py). Our shapes are new nearly every call: a rollout phase's prefill, every
+    padded micro-batch."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def autocast(device: torch.device | str, dtype: torch.dtype | None):
     """The forward-pass autocast context for a worker (a no-op context when dtype is None)."""
     if dtype is None:

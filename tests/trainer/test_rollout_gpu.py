@@ -151,3 +151,17 @@ def test_release_frees_gpu_memory_and_resume_restores_the_outputs():
     engine.resume()
     assert [g[0].token_ids for g in engine.generate(prompts, greedy)] == before
     assert before == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_prefills_of_new_shapes_run_no_cudnn_attention():
+    """cuDNN's attention plans every new shape on the host (~60 ms a prefill with the GPU idle on an
+    H200); an engine on CUDA turns it off for the process, so prefills of new [B, T] take flash."""
+    model, tok = varied_model("qwen2", seed=2)
+    engine = engine_for(model.to("cuda", torch.bfloat16), tok, max_running=16, context_length=96)
+    sampling = SamplingParams(temperature=0, max_new_tokens=4, n=1, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for count in (1, 3, 5):  # three prefill shapes
+            engine.generate(encode(tok, QUESTIONS[:count]), sampling)
+    ops = {event.name for event in prof.events()}
+    assert any("attention" in op for op in ops), sorted(ops)  # the prefill's SDPA was seen
+    assert not any("cudnn_attention" in op for op in ops)

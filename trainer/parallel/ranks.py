@@ -37,7 +37,7 @@ from trainer.parallel.fsdp import (
     iter_gathered,
     shard_model,
 )
-from trainer.model import load_critic, load_policy, load_reference, load_tokenizer
+from trainer.model import load_critic, load_policy, load_reference, load_tokenizer, without_cudnn_attention
 from trainer.packing import shares_prompts, use_packed_attention
 from trainer.workers.policy import Policy, PolicyLossSettings
 from trainer.workers.common import MicroBatchSize, OptimizerSettings, UpdateSettings
@@ -87,6 +87,8 @@ def _loaded(loader: Callable, settings: ModelSettings, device: torch.device, **e
     )
     if settings.remove_padding:
         use_packed_attention(model, share_prompts=settings.share_prompts)
+    if device.type == "cuda":  # padded micro-batches run SDPA at a new shape nearly every time
+        without_cudnn_attention()
     if settings.compile and device.type == "cuda":
         trains = any(p.requires_grad for p in model.parameters())
         compile_model(

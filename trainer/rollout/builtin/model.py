@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer.model import without_cudnn_attention
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # Prefixes that wrappers add to parameter names (torch.compile, DDP); stripped before loading.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
@@ -128,6 +130,8 @@ class EngineModel:
 
     def __init__(self, shape: ModelShape, dtype: torch.dtype, device) -> None:
         self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
+        if self.device.type == "cuda":  # the prefill's SDPA: 92 ms of host time a phase with cuDNN's
+            without_cudnn_attention()
         s = shape
         q_out, kv_out = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
