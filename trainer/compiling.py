@@ -10,10 +10,11 @@ take as long as the matmuls. Compiling fuses them. Two things are compiled:
   after the first real micro-batch (one recompile, torch.compile's automatic dynamic shapes); the hidden
   and intermediate sizes stay constants. With every size symbolic (`dynamic=True`, until 2026-11-29) the
   SiLU-and-multiply kernel ran at 3.0 TB/s on an H200 against 4.3 TB/s, and the update took 6% longer
-  (BENCHMARKS.md). The attention call inside stays eager (`torch.compiler.disable` on our packed-attention
-  function): variable-length flash attention is already one kernel, and keeping it out of the graph
-  keeps the graph independent of torch's varlen API. FSDP2's hooks sit on the module's __call__, outside
-  the compiled forward; gradient checkpointing wraps __call__ too.
+  (BENCHMARKS.md). On CUDA the packed layers' flash attention is traced into the layer's graph (aten's
+  kernel, whose fake and backward torch has): one compiled region a layer, not two around an eager call
+  (trainer/packing.py `_packed_kernel_call`). Elsewhere the attention call stays eager
+  (`torch.compiler.disable`): a graph break. FSDP2's hooks sit on the module's __call__, outside the
+  compiled forward; gradient checkpointing wraps __call__ too.
 - the logprob head's per-chunk math (trainer/workers/logprobs.py), through `CompiledOrEager`.
 
 Compilation can fail on a torch / driver combination we have not run. `CompiledOrEager` catches that on
@@ -85,10 +86,8 @@ class CompiledOrEager:
 
 
 def compile_decoder_layers(layers: list[nn.Module], *, backend: str | Callable = "inductor") -> None:
-    """Replace every layer's forward by one compiled function of (layer, inputs); in place.
-
-    The attention implementation stays eager: see the module docstring.
-    """
+    """Replace every layer's forward by one compiled function of (layer, inputs); in place. Where the
+    attention runs: see the module docstring."""
     if not layers:
         return
     compiled = _compiled_forward(type(layers[0]), backend)

@@ -212,28 +212,52 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, packed: d
     mask is aligned to the keys' end (as flash attention aligns it)."""
     kernel = _cuda_varlen_kernel() if query.is_cuda else None
     dtype = flash_dtype(query, key, value, cuda_autocast_dtype()) if kernel is not None else None
-    if dtype is not None:  # cast before the gathers: they move half the bytes
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-    expand = packed.get("shared_expand")
-    if expand is not None:
-        key, value = key.index_select(0, expand), value.index_select(0, expand)
-    queries, keys = packed["cu_seq_lens_q"], packed["cu_seq_lens_k"]
+    query, key, value = _operands(query, key, value, packed, dtype)
     if dtype is not None:
         try:
-            return kernel(
-                query, key, value, queries, keys, packed["max_length_q"], packed["max_length_k"], scale
-            )
+            return kernel(query, key, value, packed, scale)
         except torch.OutOfMemoryError:  # a RuntimeError, but this micro-batch's, not the kernel's fault
             raise
         except (RuntimeError, TypeError, ValueError) as exc:  # an older or newer torch's signature
             log.warning("flash attention failed (%s): packed attention runs per sequence from now on", exc)
             _cuda_varlen_kernel.cache_clear()
             _DISABLED.add("varlen")
-    return _attention_per_sequence(query, key, value, queries, keys, scale)
+    return _attention_per_sequence(query, key, value, packed["cu_seq_lens_q"], packed["cu_seq_lens_k"], scale)
+
+
+def _operands(query: Tensor, key: Tensor, value: Tensor, packed: dict, dtype: torch.dtype | None):
+    """q, k, v cast to flash attention's `dtype` (None: kept), then (shared prompts) the keys and values
+    gathered into each sequence's [prompt; response]: cast first, the gathers move half the bytes."""
+    if dtype is not None:
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    expand = packed.get("shared_expand")
+    if expand is not None:
+        key, value = key.index_select(0, expand), value.index_select(0, expand)
+    return query, key, value
+
+
+def _flash(query: Tensor, key: Tensor, value: Tensor, packed: dict, scale: float) -> Tensor:
+    """aten's variable-length flash attention, causal; with fewer queries than keys its mask ends at the
+    keys' end (flash-attention >= 2.1). Arguments: q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p,
+    is_causal, return_debug_mask."""
+    return torch.ops.aten._flash_attention_forward(
+        query,
+        key,
+        value,
+        packed["cu_seq_lens_q"],
+        packed["cu_seq_lens_k"],
+        packed["max_length_q"],
+        packed["max_length_k"],
+        0.0,
+        True,
+        False,
+        scale=scale,
+    )[0]
 
 
 _DISABLED: set[str] = set()
 HALF = (torch.float16, torch.bfloat16)
+_HAS_FLASH = hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
 def flash_dtype(query: Tensor, key: Tensor, value: Tensor, autocast_dtype: torch.dtype | None):
@@ -286,19 +310,12 @@ def _cuda_varlen_kernel():
     0.5B update ~16 ms forward and ~9 ms of backward reduction (a profile on an H200)."""
     if "varlen" in _DISABLED:
         return None
-    flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    if flash is None:
+    if not _HAS_FLASH:
         log.warning(
             "torch has no variable-length flash attention: packed attention runs per sequence (slower)"
         )
         return None
-
-    def kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale):
-        # (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask) -> output, ...
-        # causal with fewer queries than keys: the mask ends at the keys' end (flash-attention >= 2.1)
-        return flash(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
-
-    return kernel
+    return _flash
 
 
 def packed_attention(
@@ -450,8 +467,20 @@ def token_major_attention(
     return self.o_proj(out.view(1, tokens, -1)), None
 
 
-# a graph break in compiled layers, as the registered attention function is
-_packed_kernel_call = torch.compiler.disable(varlen_causal_attention)
+def _packed_kernel_call(query: Tensor, key: Tensor, value: Tensor, packed: dict, scale: float) -> Tensor:
+    """varlen_causal_attention, for the token-major forward. In a compiled decoder layer on CUDA the flash
+    kernel is traced into the layer's graph (torch gives it a fake and a backward), so the layer is one
+    compiled region; called eagerly (`torch.compiler.disable`) it splits the layer into two, and each
+    region's entry and autograd wrappers cost host time: ~160 ms of a 2.6 s one-H200 step for 768 region
+    entries (BENCHMARKS.md). The per-sequence fallback reads the sequence bounds on the host: eager."""
+    if torch.compiler.is_compiling() and query.is_cuda and _HAS_FLASH and "varlen" not in _DISABLED:
+        dtype = flash_dtype(query, key, value, cuda_autocast_dtype())
+        if dtype is not None:
+            return _flash(*_operands(query, key, value, packed, dtype), packed, scale)
+    return _eager_varlen(query, key, value, packed, scale)
+
+
+_eager_varlen = torch.compiler.disable(varlen_causal_attention)  # a graph break in compiled layers
 
 
 def is_packed(model) -> bool:

@@ -256,11 +256,13 @@ def test_weight_grad_accumulates_in_the_matmul_on_cuda():
 @pytest.mark.gpu
 def test_inductor_compiled_layers_match_eager_and_compile_no_more_after_the_first_batch(base_model):
     """CUDA, inductor (what GPU runs compile with): micro-batches of other token and sequence counts give
-    the eager logprobs and gradients under bf16 autocast and compile nothing after the first."""
+    the eager logprobs and gradients under bf16 autocast and compile nothing after the first; the flash
+    kernel is inside each layer's graph (no graph break: one compiled region a layer)."""
     eager, compiled = (copy.deepcopy(base_model).cuda() for _ in range(2))
     for model in (eager, compiled):
         use_packed_attention(model)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     assert compile_model(compiled, device=torch.device("cuda"), dtype=None, autocast_dtype=torch.bfloat16)
     counters = torch._dynamo.utils.counters["stats"]
 
@@ -280,3 +282,4 @@ def test_inductor_compiled_layers_match_eager_and_compile_no_more_after_the_firs
         if rows == 6:
             graphs_after_first = counters["unique_graphs"]
     assert counters["unique_graphs"] == graphs_after_first
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
