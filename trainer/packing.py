@@ -136,7 +136,7 @@ def pack_shared(batch) -> tuple[Packed, Tensor]:
     if bool(((prompt + response) <= 0).any()):
         raise ValueError("cannot pack a row without real tokens")
     rows, width, prompt_width = len(prompt), batch.input_ids.shape[1], batch.prompt_width
-    same = _same_group_as_previous(batch)
+    same = same_group_as_previous(batch)
     if batch.input_ids.device.type == "cpu":  # left-padded to one width: equal windows, equal prompts
         windows = batch.input_ids[:, :prompt_width]
         same &= (windows[1:] == windows[:-1]).all(dim=1)
@@ -173,11 +173,12 @@ def pack_shared(batch) -> tuple[Packed, Tensor]:
 
 def shared_prompt_tokens(batch) -> int:
     """Prompt tokens a batch's shared-prompt forwards do not run: every row's after its run's first
-    (where a micro-batch cuts a run, its next part runs the prompt again: slightly fewer)."""
-    return int(batch.prompt_lengths.cpu()[1:][_same_group_as_previous(batch)].sum())
+    (where a micro-batch cuts a run, its next part runs the prompt again: slightly fewer; a token budget
+    cuts between runs where they fit, `trainer.workers.common.budget_units`)."""
+    return int(batch.prompt_lengths.cpu()[1:][same_group_as_previous(batch)].sum())
 
 
-def _same_group_as_previous(batch) -> Tensor:
+def same_group_as_previous(batch) -> Tensor:
     """[B-1] host bools: row b+1 has row b's group id and prompt length."""
     prompt, groups = batch.prompt_lengths.cpu(), batch.group_ids.cpu()
     return (groups[1:] == groups[:-1]) & (prompt[1:] == prompt[:-1])

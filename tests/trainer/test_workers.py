@@ -15,6 +15,7 @@ from trainer.workers.policy import Policy, PolicyLossSettings, is_on_policy
 from trainer.workers.common import (
     OptimizerSettings,
     TokenBudget,
+    budget_units,
     UpdateSettings,
     clip_and_step,
     even_bounds,
@@ -336,6 +337,53 @@ def test_token_budget_cuts_consecutive_rows_within_the_budget():
         assert (
             len(micro) == 1 or int((micro.prompt_lengths + micro.response_lengths).sum()) <= max(tokens) + 1
         )
+
+
+def test_a_token_budget_cuts_between_prompt_groups_where_the_model_shares_prompts(base_model):
+    """With shared prompts a budget counts a group's prompt once (as the layers run it) and cuts between
+    groups, so no prompt runs twice; a group over the budget alone is cut by rows. The update is the
+    unshared one's, and the embedded tokens drop by every fitting group's repeated prompts."""
+    from trainer.packing import use_packed_attention
+
+    batch = with_training_fields(grouped_batch(groups=6, n=3, seed=5), base_model)
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    prompts, groups = batch.prompt_lengths.tolist(), batch.group_ids.tolist()
+    repeat = [row > 0 and groups[row - 1] == groups[row] for row in range(len(groups))]
+    cost = {g: 0 for g in groups}
+    for row, g in enumerate(groups):
+        cost[g] += lengths[row] - prompts[row] * repeat[row]
+    budget = max(cost.values()) - 1
+    too_big = {g for g, c in cost.items() if c > budget}
+    firsts, costs = budget_units(batch, budget, shared_prompts=True)
+    assert firsts == [r for r, g in enumerate(groups) if g in too_big or not repeat[r]]
+    assert costs == [lengths[r] if groups[r] in too_big else cost[groups[r]] for r in firsts]
+
+    def cut(shared: bool) -> list[list[int]]:
+        micros = micro_batches(batch, TokenBudget(budget), torch.device("cpu"), shared_prompts=shared)
+        return [m.group_ids.tolist() for m in micros]
+
+    def split_groups(parts: list[list[int]]) -> set[int]:
+        return {g for ids in parts for g in ids if ids.count(g) != groups.count(g)}
+
+    assert sum(map(len, cut(True))) == len(batch) and split_groups(cut(True)) <= too_big
+    assert split_groups(cut(False)) - too_big  # counted row by row, a fitting group was cut
+
+    loss = loss_settings(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    update = UpdateSettings(
+        mini_batch_size=len(batch), micro_batch_size=len(batch), token_budget=TokenBudget(budget)
+    )
+    results = {}
+    for share in (False, True):
+        model = fresh(base_model)
+        use_packed_attention(model, share_prompts=share)
+        policy = Policy(model, optim(lr=1e-3), update, loss, log_prob_micro_batch_size=TokenBudget(budget))
+        results[share] = update_counting_tokens(policy, batch)
+    (unshared, before, tokens), (shared, after, fewer) = results[False], results[True]
+    assert (after - before).norm() / (before - flat_params(base_model)).norm() < 1e-4
+    for name, value in unshared.items():
+        assert shared[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    saved = sum(prompts[r] for r, g in enumerate(groups) if repeat[r] and g not in too_big)
+    assert tokens == sum(lengths) and fewer <= tokens - saved
 
 
 def test_token_budget_micro_batches_give_the_update_and_logprobs_of_sequence_counts(base_model):

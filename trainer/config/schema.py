@@ -260,8 +260,9 @@ class ActorConfig(Section):
     use_dynamic_bsz: bool = Field(
         False,
         description="Cut micro-batches by a token budget (ppo_max_token_len_per_gpu: whole consecutive "
-        "sequences, prompt + response tokens) instead of ppo_micro_batch_size_per_gpu sequences: every "
-        "forward equally full whatever the lengths. The loss is the same either way.",
+        "sequences, prompt + response tokens; with model.share_prompts a group's prompt once, and cuts "
+        "between groups) instead of ppo_micro_batch_size_per_gpu sequences: every forward equally full "
+        "whatever the lengths. The loss is the same either way.",
     )
     ppo_max_token_len_per_gpu: int = Field(
         16384, ge=1, description="Tokens per micro-batch with use_dynamic_bsz (a longer sequence goes alone)."

@@ -31,6 +31,7 @@ from trainer.config.derive import MicroBatchSize, TokenBudget
 from trainer.parallel.distributed import SINGLE_PROCESS, DataParallel
 from trainer.parallel.fsdp import compute_device, full_tensor
 from trainer.model import autocast
+from trainer.packing import same_group_as_previous, shares_prompts
 
 log = logging.getLogger("trainer")
 
@@ -66,23 +67,57 @@ def even_bounds(lengths: list[int], parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def budget_units(batch: TrainBatch, max_tokens: int, shared_prompts: bool) -> tuple[list[int], list[int]]:
+    """The pieces a token budget cuts a batch between, as (each one's first row, its tokens): every row;
+    or, where the model shares prompts (trainer/packing.py `pack_shared`), every run of one group's
+    consecutive rows, its prompt counted once as the layers run it, unless the run alone is over the
+    budget (then its rows, each counted whole). A cut inside a run runs its prompt once more."""
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    if not shared_prompts:
+        return list(range(len(lengths))), lengths
+    prompts = batch.prompt_lengths.tolist()
+    continues = [False, *same_group_as_previous(batch).tolist()]
+    firsts, costs, row = [], [], 0
+    while row < len(lengths):
+        end = next((r for r in range(row + 1, len(lengths)) if not continues[r]), len(lengths))
+        cost = prompts[row] + sum(lengths[r] - prompts[r] for r in range(row, end))
+        if cost <= max_tokens:
+            firsts.append(row)
+            costs.append(cost)
+        else:
+            firsts += range(row, end)
+            costs += lengths[row:end]
+        row = end
+    return firsts, costs
+
+
 def micro_batches(
-    batch: TrainBatch, size: MicroBatchSize, device: torch.device, dp: DataParallel = SINGLE_PROCESS
+    batch: TrainBatch,
+    size: MicroBatchSize,
+    device: torch.device,
+    dp: DataParallel = SINGLE_PROCESS,
+    *,
+    shared_prompts: bool = False,
 ) -> Iterator[TrainBatch]:
     """Micro-batches on `device`, each trimmed to its own padding: `size` sequences each, or within a
-    TokenBudget. Under data parallelism a budget gives every rank the same number of micro-batches
-    (the most any rank needs, each rank's rows re-cut evenly by tokens), because every sharded forward
-    and backward is a collective that all ranks must run together."""
+    TokenBudget (cut between `budget_units`: whole prompt groups where the model shares prompts). Under
+    data parallelism a budget gives every rank the same number of micro-batches (the most any rank
+    needs, each rank's rows re-cut evenly by tokens), because every sharded forward and backward is a
+    collective that all ranks must run together."""
     if not isinstance(size, TokenBudget):
         yield from (micro.trimmed().to(device) for micro in batch.split(size))
         return
-    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
-    bounds = token_budget_bounds(lengths, size.max_tokens)
+    firsts, costs = budget_units(batch, size.max_tokens, shared_prompts)
+    bounds = token_budget_bounds(costs, size.max_tokens)
     count = dp.max_int(len(bounds))
-    if count != len(bounds):
-        bounds = even_bounds(lengths, count)
+    if count != len(bounds) and count <= len(costs):
+        bounds = even_bounds(costs, count)
+    elif count != len(bounds):  # another rank needs more micro-batches than this one has pieces: rows
+        firsts, costs = budget_units(batch, size.max_tokens, shared_prompts=False)
+        bounds = even_bounds(costs, count)
+    ends = [*firsts[1:], len(batch)]
     for start, stop in bounds:
-        yield batch.select(range(start, stop)).trimmed().to(device)
+        yield batch.select(range(firsts[start], ends[stop - 1])).trimmed().to(device)
 
 
 def pad_response_columns(parts: list[Tensor], width: int) -> Tensor:
@@ -300,7 +335,8 @@ class TrainedModel:
         return autocast(self.device, self.autocast_dtype)
 
     def micro_batches(self, batch: TrainBatch, size: MicroBatchSize | None = None) -> Iterator[TrainBatch]:
-        return micro_batches(batch, size or self.update_settings.micro, self.device, self.dp)
+        size = size or self.update_settings.micro
+        return micro_batches(batch, size, self.device, self.dp, shared_prompts=shares_prompts(self.model))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs passes over the batch's mini-batches, an optimizer step each; one LR-schedule step.

@@ -302,7 +302,7 @@ def batched_response_logprobs(
     """response_logprobs over the whole batch, micro-batch by micro-batch, without gradients."""
     device = compute_device(model)
     logprob_parts, entropy_parts = [], []
-    for micro in micro_batches(batch, micro_batch_size, device, dp):
+    for micro in micro_batches(batch, micro_batch_size, device, dp, shared_prompts=shares_prompts(model)):
         with autocast(device, autocast_dtype):
             out = response_logprobs(
                 model, micro, temperature=temperature, with_entropy=with_entropy, head=head
