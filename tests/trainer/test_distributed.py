@@ -27,7 +27,13 @@ from trainer.parallel.fsdp import FSDPSettings
 from trainer.model import load_policy
 from trainer.rollout.base import Rollout, SamplingParams
 from trainer.workers.policy import Policy, PolicyLossSettings
-from trainer.workers.common import OptimizerSettings, TokenBudget, UpdateSettings, token_budget_bounds
+from trainer.workers.common import (
+    OptimizerSettings,
+    TokenBudget,
+    UpdateSettings,
+    budget_units,
+    token_budget_bounds,
+)
 from trainer.parallel.groups import PolicyGroup
 from trainer.parallel.placement import RayRanks, ResourcePool, connect_ray
 from trainer.parallel.ranks import EngineSettings, ModelSettings, PolicyRank, PolicyRankSettings
@@ -256,22 +262,34 @@ def test_token_budget_micro_batches_on_two_ranks_give_the_update_of_one_process(
         close(group, pool)
 
 
+@pytest.mark.parametrize("budget", [None, 14])
 def test_two_ranks_sharing_prompts_get_whole_groups_and_give_the_update_of_one_process(
-    cluster, model_dir, tmp_path
+    cluster, model_dir, tmp_path, budget
 ):
-    # model.share_prompts: a prompt's group goes to one rank, whose micro-batch of 2 runs its prompt once
-    group, pool = policy_group(model_dir, nnodes=2, share=True, micro_batch=2)
+    """model.share_prompts: a prompt's group goes to one rank, whose micro-batch of 2 runs its prompt
+    once. With a token budget of 14 a rank's group of 3-26 tokens is one micro-batch or (over the budget)
+    two, and a rank with one group that fits runs two to match the other: cut by rows."""
+    group, pool = policy_group(model_dir, nnodes=2, share=True, micro_batch=2, budget=budget)
+    matched_by_rows = 0
     try:
         group.save(str(tmp_path / "start"))
-        single = local_policy(model_dir, "token-mean", checkpoint=tmp_path / "start", micro_batch=2)
+        single = local_policy(
+            model_dir, "token-mean", checkpoint=tmp_path / "start", micro_batch=2, budget=budget
+        )
         for seed in (1, 2):
             batch = make_batch(seed=seed, same_prompts=True)
             plan, _ = group.scatter(batch, MINI_BATCH)
             for rows in plan.shards:  # each mini-batch's part: one whole group (rows 2k, 2k+1)
                 assert all(rows[i] // 2 == rows[i + 1] // 2 for i in range(0, len(rows), 2))
+            if budget:  # a mini-batch where one rank's group fits and the other's does not
+                half = MINI_BATCH // 2
+                for k in range(0, len(plan.shards[0]), half):
+                    parts = [batch.select(rows[k : k + half]) for rows in plan.shards]
+                    matched_by_rows += len({len(budget_units(p, budget, True)[0]) for p in parts}) > 1
             assert_same_metrics(group.update(batch), single.update(batch))
     finally:
         close(group, pool)
+    assert not budget or matched_by_rows
 
 
 def test_two_ranks_skipping_zero_advantage_rows_give_the_full_update_of_one_process(
