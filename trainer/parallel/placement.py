@@ -233,7 +233,8 @@ class RankActor:
                 task.add_done_callback(lambda _, position=position: finished.put(position))
             return tasks
 
-        tasks = asyncio.run_coroutine_threadsafe(start(), loop).result()
+        with torch.profiler.record_function("replica.start_rollouts"):  # when the calls reached the rank
+            tasks = asyncio.run_coroutine_threadsafe(start(), loop).result()
         with self.loop_lock:
             self.requests[batch], self.last_batch = tasks, max(self.last_batch, batch)
             early = self.cancelled_early.pop(batch, set())
