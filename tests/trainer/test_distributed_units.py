@@ -352,6 +352,12 @@ def test_the_weight_sync_gathers_a_sharded_model_group_by_group_with_the_same_te
     by_name = dict(gathered)
     assert by_name["lm_head.weight"] is by_name["model.embed_tokens.weight"]  # tied: gathered once
     assert all(hasattr(p, "full_tensor") for p in model.parameters())  # every group resharded
+    with torch.no_grad():  # an optimizer step's worth of change: the next sync has the new values
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    again = dict(iter_gathered(model, torch.bfloat16))  # the walk is planned once a model, values not
+    for name, tensor in dict(iter_full_state(model, torch.bfloat16)).items():
+        assert torch.equal(again[name], tensor) and not torch.equal(tensor, expected[name]), name
 
 
 def test_consecutive_layers_share_a_unit_and_the_weight_sync_gathers_each_unit_once(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -277,42 +278,56 @@ def iter_gathered(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
     makes one collective, and its host work, per tensor (~290 for a 0.5B model: the weight sync was
     host-bound, 53 ms on one GPU and 167 on four). Each tensor is a copy, as a group is resharded before
     the next is gathered. A collective; a model that is not sharded goes through iter_full_state."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
         yield from iter_full_state(model, dtype)
         return
-    state = model.state_dict(keep_vars=True)
-    names_of: dict[int, list[str]] = {}  # tied tensors (embeddings and LM head) share one entry
-    for name, tensor in state.items():
+    with torch.no_grad():
+        for unit, tensors in _gather_plan(model):
+            unit.unshard()
+            try:
+                for names, holder, attribute in tensors:
+                    whole = getattr(holder, attribute)  # the unsharded parameter while gathered
+                    copy = whole.detach().to(dtype or whole.dtype, copy=True)
+                    for name in names:
+                        yield name, copy
+            finally:
+                unit.reshard()
+
+
+_GATHER_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _gather_plan(model: nn.Module) -> list[tuple[nn.Module, list[tuple[list[str], nn.Module, str]]]]:
+    """iter_gathered's walk, worked out once a model (it was a third of a weight sync's host time, each
+    step): every FSDP unit, by its first module, and its tensors as (their state-dict names, the module
+    holding the tensor, its attribute name). Tied tensors (embeddings and LM head) share one entry, in
+    the unit of the deepest group whose prefix holds their first name."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if model in _GATHER_PLANS:
+        return _GATHER_PLANS[model]
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
         names_of.setdefault(id(tensor), []).append(name)
     groups = [(prefix, module) for prefix, module in model.named_modules() if isinstance(module, FSDPModule)]
     unit_of: dict[int, int] = {}  # the modules of a unit share its state: its first one's index
     for index, (_, module) in enumerate(groups):
         unit_of.setdefault(id(fully_shard.state(module)), index)
-    owner = {}  # each tensor's unit: that of the deepest group whose prefix holds its (first) name
 
-    def group_of(name: str) -> int:
+    def unit(name: str) -> int:
         holders = [i for i, (prefix, _) in enumerate(groups) if not prefix or name.startswith(prefix + ".")]
         deepest = max(holders, key=lambda i: len(groups[i][0]))
         return unit_of[id(fully_shard.state(groups[deepest][1]))]
 
+    owned: dict[int, list] = {}
     for names in names_of.values():
-        owner.setdefault(group_of(names[0]), []).append(names)
-    parameters = dict(model.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        for index, (_, module) in enumerate(groups):
-            if index not in owner:  # a unit's later modules: gathered with its first
-                continue
-            module.unshard()
-            try:
-                for names in owner.get(index, []):
-                    whole = model.get_parameter(names[0]) if names[0] in parameters else state[names[0]]
-                    copy = whole.detach().to(dtype or whole.dtype, copy=True)
-                    for name in names:
-                        yield name, copy
-            finally:
-                module.reshard()
+        path, _, attribute = names[0].rpartition(".")
+        owned.setdefault(unit(names[0]), []).append((names, model.get_submodule(path), attribute))
+    plan = [(module, owned[index]) for index, (_, module) in enumerate(groups) if index in owned]
+    _GATHER_PLANS[model] = plan
+    return plan
 
 
 def buckets(named: Iterator[tuple[str, Tensor]], max_bytes: int) -> Iterator[dict[str, Tensor]]:
