@@ -22,16 +22,18 @@
 #            actor_rollout_ref.model.share_prompts false, then true (GRPO's 8 samples a prompt)  (~5 min)
 #   driver   one GPU or more: scaling at 1 GPU (overrides after the part's name), py-spy sampling the
 #            driver at 100 Hz, step 5 profiled: the driver's samples beside rank 0's trace   (~2 min)
+#   ab REV   one GPU or more: scaling at 1 GPU in a worktree at commit REV, then in this tree, each
+#            alone (scaling.py flags and overrides after REV): a change's before and after   (~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases|share|driver}
-shift  # the rest: overrides for the driver part
+part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases|share|driver|ab}
+shift  # the rest: overrides for the driver part; REV and overrides for ab
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 case $part in
-  scaling|tests|units|tools|phases|share|driver) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
+  scaling|tests|units|tools|phases|share|driver|ab) wheels=.gpu/wheels gsm8k=.gpu/gsm8k marker=ray ;;
   step) wheels=runs/carry/deps/wheels gsm8k=runs/carry/deps/gsm8k marker=trl ;;
-  *) echo "unknown part $part (scaling, step, tests, units, tools, phases, share or driver)" >&2; exit 2 ;;
+  *) echo "unknown part $part (scaling, step, tests, units, tools, phases, share, driver or ab)" >&2; exit 2 ;;
 esac
 [ -d "$wheels" ] || { echo "$wheels is missing: carry it (see the header)" >&2; exit 2; }
 site=/tmp/site-${wheels//\//-}  # one folder a set of wheels: pip --target skips what one already holds
@@ -91,6 +93,20 @@ case $part in
       | grep -E 'metric|timing_s/(gen|reward|step)|status'
     trace=/tmp/gpu-check-driver/0.5b_x1/profile/step_5_policy_rank0.json
     [ -f "$trace" ] && python3 bench/trace_summary.py "$trace" && gzip -c "$trace" > "$out/driver/rank0.json.gz"
+    exit 0 ;;
+  ab)
+    rev=${1:?usage: gpu_check.sh ab REV [scaling.py flags and overrides]}
+    shift
+    root=$PWD before=/tmp/gpu-check-ab-before
+    rm -rf "$before" && git worktree prune && git worktree add -q --detach "$before" "$rev" || exit 2
+    for arm in before after; do
+      tree=$root && [ "$arm" = before ] && tree=$before
+      echo "== $arm: $(git -C "$tree" log -1 --format='%h %s')"
+      (cd "$tree" && PYTHONPATH="$site:$tree" python3 bench/scaling.py --gpus 1 --steps 4 --gsm8k "$root/$gsm8k" \
+        --out "/tmp/gpu-check-ab-$arm" --results "$out/ab-$arm" --budget-s 200 "$@" 2>&1 \
+        | grep -E 'metric|timing_s/(gen|ref|update_actor|update_weights|step)|throughput|mfu|status')
+    done
+    git worktree remove --force "$before"
     exit 0 ;;
 esac
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00')
