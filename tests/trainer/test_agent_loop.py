@@ -188,14 +188,14 @@ def test_zero_one_and_several_calls_mask_exactly_the_tool_tokens(retrieval, toke
     outputs = {tuple(out) for out in replica.outputs}
     for rollout, trajectory in zip(batch.rollouts, batch.trajectories):
         assert len(rollout.response_ids) == len(rollout.logprobs) == len(rollout.loss_mask)
-        segments = runs(rollout.loss_mask)
-        model = [rollout.response_ids[a:b] for value, a, b in segments if value == 1]
-        tools = [rollout.response_ids[a:b] for value, a, b in segments if value == 0]
+        segments = runs(rollout.loss_mask.tolist())
+        model = [rollout.response_ids.tolist()[a:b] for value, a, b in segments if value == 1]
+        tools = [rollout.response_ids.tolist()[a:b] for value, a, b in segments if value == 0]
         # every trained run is exactly one turn the policy produced; every other token is tool text
         assert all(tuple(ids) in outputs for ids in model) and len(model) == trajectory.assistant_turns
         assert len(tools) == trajectory.tool_turns == trajectory.tool_calls
-        assert all(rollout.logprobs[i] == -0.5 for i, m in enumerate(rollout.loss_mask) if m)
-        assert all(rollout.logprobs[i] == 0.0 for i, m in enumerate(rollout.loss_mask) if not m)
+        assert all(lp == -0.5 for lp, m in zip(rollout.logprobs.tolist(), rollout.loss_mask.tolist()) if m)
+        assert all(lp == 0.0 for lp, m in zip(rollout.logprobs.tolist(), rollout.loss_mask.tolist()) if not m)
         for ids in tools:
             text = tokenizer.decode(ids, skip_special_tokens=False)
             if fmt == "search_r1":
@@ -219,11 +219,11 @@ def test_each_turn_sees_the_context_token_for_token(retrieval, tokenizers):
     prompt = prompt_ids(tokenizer, question)
     batch, replica = run_agent(tokenizer, policy, [prompt], [retrieval], fmt="hermes")
     (rollout,) = batch.rollouts
-    starts = [a for value, a, _ in runs(rollout.loss_mask) if value == 1]
+    starts = [a for value, a, _ in runs(rollout.loss_mask.tolist()) if value == 1]
     assert len(replica.requests) == len(starts) == 3
     for (input_ids, params), start in zip(replica.requests, starts):
         # no decode/re-encode between turns: the ids sent are the prompt plus what was appended, exactly
-        assert input_ids == prompt + rollout.response_ids[:start]
+        assert input_ids == prompt + rollout.response_ids.tolist()[:start]
         assert params["max_new_tokens"] == 2048 - start and params["stop"] == ["</tool_call>"]
 
 
@@ -237,9 +237,9 @@ def test_tool_responses_are_truncated_to_the_token_cap(retrieval, tokenizers, si
     def information(**settings) -> list[int]:
         batch, _ = run_agent(tokenizer, policy, prompt, [retrieval], **settings)
         rollout = batch.rollouts[0]
-        (_, a, b) = next(seg for seg in runs(rollout.loss_mask) if seg[0] == 0)
+        (_, a, b) = next(seg for seg in runs(rollout.loss_mask.tolist()) if seg[0] == 0)
         open_ids, close_ids = tokenizer.encode("\n\n<information>"), tokenizer.encode("</information>\n\n")
-        ids = rollout.response_ids[a:b]
+        ids = rollout.response_ids.tolist()[a:b]
         assert ids[: len(open_ids)] == open_ids and ids[-len(close_ids) :] == close_ids
         return ids[len(open_ids) : -len(close_ids)]
 
@@ -283,7 +283,9 @@ def test_a_trajectory_stops_within_the_response_length(retrieval, tokenizers):
     assert len(rollout.response_ids) <= 700 and trajectory.tool_calls >= 2
     # the last tokens are the model's: a tool response that would leave no room for a turn is not added
     assert rollout.loss_mask[-1] == 1
-    for (_, params), (_, start, _) in zip(replica.requests, [s for s in runs(rollout.loss_mask) if s[0]]):
+    for (_, params), (_, start, _) in zip(
+        replica.requests, [s for s in runs(rollout.loss_mask.tolist()) if s[0]]
+    ):
         assert params["max_new_tokens"] == 700 - start  # each turn may only use what is left
 
 
@@ -381,7 +383,7 @@ def test_server_killed_mid_rollout_the_rollout_goes_on(index, tokenizers):
     errors = sum(t.tool_errors for t in batch.trajectories)
     assert 4 <= errors <= 5 and batch.metrics()["tool/errors"] == errors
     assert "The search failed (the retrieval service did not answer)" in tokenizer.decode(
-        batch.rollouts[0].response_ids
+        batch.rollouts[0].response_ids.tolist()
     )
 
 
@@ -540,8 +542,8 @@ def test_drop_group_ends_the_failed_trajectories_and_names_their_prompt(retrieva
     for trajectory, rollout in zip(failed, batch.rollouts[2:]):
         # ended on the model's call: no failure text in the context, no further turn generated
         assert (trajectory.assistant_turns, trajectory.tool_turns, trajectory.tool_errors) == (1, 0, 1)
-        assert set(rollout.loss_mask) == {1} and "Execution failed" not in tokenizer.decode(
-            rollout.response_ids
+        assert set(rollout.loss_mask.tolist()) == {1} and "Execution failed" not in tokenizer.decode(
+            rollout.response_ids.tolist()
         )
     assert len(replica.requests) == 2 * 2 + 2  # two turns of each good trajectory, one of each failed one
     assert batch.failed_prompts == [1] and batch.dropped_groups == 1

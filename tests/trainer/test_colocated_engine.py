@@ -105,7 +105,7 @@ def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_bucke
         prompts = encode(tok)[:3]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
         asyncio.run(manager.resume_memory_async(KV_CACHE))
-        before = [r.response_ids for r in manager.generate(prompts, greedy)]
+        before = [r.response_ids.tolist() for r in manager.generate(prompts, greedy)]
         asyncio.run(manager.release_memory_async(KV_CACHE))
         assert inner.released == {"kv_cache"} and inner.cache is None  # released again once done
         # the policy moves on; its tensors reach the engine in two buckets (a subset each), cache released
@@ -118,7 +118,7 @@ def test_the_kv_cache_exists_only_in_a_rollout_phase_and_weights_update_in_bucke
         replica.load_weights_now({name: state[name] for name in names[: len(names) // 2]})
         replica.load_weights_now({name: state[name] for name in names[len(names) // 2 :]})
         asyncio.run(manager.resume_memory_async(KV_CACHE))
-        after = [r.response_ids for r in manager.generate(prompts, greedy)]
+        after = [r.response_ids.tolist() for r in manager.generate(prompts, greedy)]
         from trainer.rollout.builtin import load_engine
 
         reference = load_engine(moved, tokenizer=tok, dtype=torch.float32, device="cpu")

@@ -380,7 +380,7 @@ def test_colocated_engines_generate_and_take_the_updated_weights(cluster, model_
         assert all(m.served > 0 for m in engine.pool.members)  # both ranks' engines served prompts
         # each rank's prompts reached it in one call, not one call each (they would start spread out)
         assert [m.replica.batches for m in engine.pool.members] == [1, 1]
-        assert [r.prompt_ids for r in rollouts[::2]] == prompts
+        assert [r.prompt_ids.tolist() for r in rollouts[::2]] == prompts
         engine_logprobs, policy_logprobs = generated_vs_policy(rollouts)
         torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
 

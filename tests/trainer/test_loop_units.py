@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,6 +184,8 @@ def test_responses_decode_in_one_backend_call_as_batch_decode_would(kind):
     assert texts == tokenizer.batch_decode(ids, skip_special_tokens=True)
     assert texts[-1] == "12 + 30 = 42. #### 42"
     assert tokenizer.decode([tokenizer.eos_token_id]) not in texts[1]
+    # the rollouts' int64 arrays (a Ray rank's, views into its message) decode to the same texts
+    assert decode_responses(tokenizer, [np.asarray(row, dtype=np.int64) for row in ids]) == texts
 
 
 # ------------------------------------------------------------------ multi_turn.tool_failure=drop_group

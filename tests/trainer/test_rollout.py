@@ -4,8 +4,10 @@ The engine's logprobs are checked against a teacher-forced forward of the same t
 trainer recomputes), stops and finish reasons against a greedy continuation computed beforehand.
 """
 
+import pickle
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,7 +48,7 @@ def seeded_continuation(tiny, prompt, length, seed=123):
     (rollout,) = engine(tiny, eos_token_ids=()).generate(
         [prompt], SamplingParams(max_new_tokens=length, seed=seed)
     )
-    return rollout.response_ids
+    return rollout.response_ids.tolist()
 
 
 @pytest.mark.parametrize(
@@ -71,7 +73,7 @@ def test_engine_logprobs_equal_teacher_forced_recomputation(tiny, prompts, sampl
 def test_n_samples_come_out_grouped_by_prompt(tiny, prompts):
     rollouts = engine(tiny).generate(prompts, SamplingParams(max_new_tokens=4, n=3, seed=0))
     assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert all(r.prompt_ids == prompts[r.prompt_index] for r in rollouts)
+    assert all(r.prompt_ids.tolist() == prompts[r.prompt_index] for r in rollouts)
     assert all(len(r.response_ids) == len(r.logprobs) == len(r.loss_mask) for r in rollouts)
     batch = TrainBatch.from_rollouts(rollouts, 0)
     assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -82,8 +84,8 @@ def test_greedy_is_deterministic_and_picks_the_argmax(tiny, prompts):
     sampling = SamplingParams(temperature=0, max_new_tokens=10, n=2)
     first = engine(tiny).generate(prompts, sampling)
     second = engine(tiny, max_batch_size=2).generate(prompts, sampling)  # other batch composition too
-    assert [r.response_ids for r in first] == [r.response_ids for r in second]
-    assert first[0].response_ids == first[1].response_ids  # n greedy samples are identical
+    assert [r.response_ids.tolist() for r in first] == [r.response_ids.tolist() for r in second]
+    assert first[0].response_ids.tolist() == first[1].response_ids.tolist()  # n greedy samples are identical
     batch = TrainBatch.from_rollouts(first, tok.pad_token_id)
     with torch.no_grad():
         logits = model(
@@ -105,13 +107,13 @@ def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(tiny, prompts):
         SamplingParams(top_p=1e-6, max_new_tokens=8, seed=5),
     ):
         sampled = engine(tiny).generate(prompts, sampling)
-        assert [r.response_ids for r in sampled] == [r.response_ids for r in greedy]
+        assert [r.response_ids.tolist() for r in sampled] == [r.response_ids.tolist() for r in greedy]
 
 
 def test_seed_reproduces_and_different_seeds_differ(tiny, prompts):
     def run(seed):
         return [
-            r.response_ids
+            r.response_ids.tolist()
             for r in engine(tiny).generate(prompts, SamplingParams(max_new_tokens=8, n=2, seed=seed))
         ]
 
@@ -125,8 +127,12 @@ def test_a_seeded_prompt_samples_the_same_tokens_in_any_batch(tiny, prompts):
     sampling = SamplingParams(max_new_tokens=8, n=2, top_k=20, top_p=0.95)
     together = engine(tiny).generate(prompts, sampling, seeds=[11, 12, 13][: len(prompts)])
     alone = [engine(tiny).generate([p], sampling, seeds=[s])[0:2] for p, s in zip(prompts, [11, 12, 13])]
-    assert [r.response_ids for r in together] == [r.response_ids for pair in alone for r in pair]
-    assert together[0].response_ids != together[1].response_ids  # the n samples of a prompt differ
+    assert [r.response_ids.tolist() for r in together] == [
+        r.response_ids.tolist() for pair in alone for r in pair
+    ]
+    assert (
+        together[0].response_ids.tolist() != together[1].response_ids.tolist()
+    )  # the n samples of a prompt differ
 
 
 def test_stop_token_ends_the_response_right_after_it(tiny, prompts):
@@ -136,8 +142,8 @@ def test_stop_token_ends_the_response_right_after_it(tiny, prompts):
     (rollout,) = engine(tiny, eos_token_ids=()).generate(
         [prompts[0]], SamplingParams(max_new_tokens=16, stop_token_ids=(stop_id,), seed=123)
     )
-    assert rollout.response_ids == continuation[: position + 1]
-    assert rollout.finish_reason == "stop" and rollout.loss_mask == [1] * (position + 1)
+    assert rollout.response_ids.tolist() == continuation[: position + 1]
+    assert rollout.finish_reason == "stop" and rollout.loss_mask.tolist() == [1] * (position + 1)
     # the engine's default stops are the tokenizer's eos (<|im_end|>) and the generation config's
     _, tok = tiny
     assert engine(tiny).eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
@@ -156,7 +162,7 @@ def test_stop_string_spanning_tokens_ends_the_response_after_its_last_token(tiny
     (rollout,) = engine(tiny, eos_token_ids=()).generate(
         [prompts[1]], SamplingParams(max_new_tokens=20, stop=(stop, "@@@@"), seed=seed)
     )
-    assert rollout.response_ids == continuation[: end + 1]
+    assert rollout.response_ids.tolist() == continuation[: end + 1]
     assert tok.decode(rollout.response_ids).endswith(stop) and rollout.finish_reason == "stop"
 
 
@@ -235,13 +241,13 @@ def test_train_batch_rows_of_any_lengths_hold_each_rollout_where_the_layout_says
     width = batch.prompt_width
     for row, r in enumerate(rollouts):
         start, end = width - len(r.prompt_ids), width + len(r.response_ids)
-        assert batch.input_ids[row, start:end].tolist() == r.prompt_ids + r.response_ids
+        assert batch.input_ids[row, start:end].tolist() == r.prompt_ids.tolist() + r.response_ids.tolist()
         assert batch.input_ids[row, :start].eq(0).all() and batch.input_ids[row, end:].eq(0).all()
         assert batch.attention_mask[row].tolist() == [0] * start + [1] * (end - start) + [0] * (
             batch.input_ids.shape[1] - end
         )
-        assert batch.response_mask[row, : len(r.loss_mask)].tolist() == r.loss_mask
-        assert batch.rollout_logprobs[row, : len(r.logprobs)].tolist() == r.logprobs
+        assert batch.response_mask[row, : len(r.loss_mask)].tolist() == r.loss_mask.tolist()
+        assert batch.rollout_logprobs[row, : len(r.logprobs)].tolist() == r.logprobs.tolist()
         assert batch.response_mask[row, len(r.loss_mask) :].eq(0).all()
 
 
@@ -289,5 +295,11 @@ def test_packed_rollouts_come_back_exactly_as_sent():
         )
         for index, length in enumerate([0, 5, 1, 17])
     ]
-    assert unpack_rollouts(pack_rollouts(rollouts)) == rollouts
+    packed = pack_rollouts(rollouts)
+    back = unpack_rollouts(pickle.loads(pickle.dumps(packed, protocol=5)))
+    assert back == rollouts and back != rollouts[::-1]
+    assert [r.logprobs.tolist() for r in back] == [r.logprobs.tolist() for r in rollouts]
+    # the driver's rollouts are views into the message's columns, not copies (or Python lists)
+    flat = back[0].response_ids.base
+    assert all(r.response_ids.base is flat and r.response_ids.dtype == np.int64 for r in back)
     assert unpack_rollouts(pack_rollouts([])) == []

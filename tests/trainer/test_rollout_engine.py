@@ -179,10 +179,14 @@ def test_async_requests_get_the_tokens_of_one_batch_call_and_one_can_be_cancelle
         alone = blocking.generate(prompts, sampling)
     finally:
         blocking.close()
-    tokens = [[r.response_ids for r in group] for group in together]  # logprobs vary with the batch's rows
-    assert [t for group in tokens for t in group] == [r.response_ids for r in alone]
+    tokens = [
+        [r.response_ids.tolist() for r in group] for group in together
+    ]  # logprobs vary with the batch's rows
+    assert [t for group in tokens for t in group] == [r.response_ids.tolist() for r in alone]
     assert [r.prompt_index for group in together for r in group] == [r.prompt_index for r in alone]
-    assert [r.response_ids for r in short] == tokens[1] and isinstance(cancelled, asyncio.CancelledError)
+    assert [r.response_ids.tolist() for r in short] == tokens[1] and isinstance(
+        cancelled, asyncio.CancelledError
+    )
 
 
 def test_continuous_batching_gives_each_request_the_tokens_it_gets_alone(qwen):

@@ -208,9 +208,13 @@ def test_http_manager_gives_the_same_rollouts_as_the_engine_in_process(server, m
             for i, p in enumerate(prompts)
             for j in range(2)
         ]
-        assert [r.response_ids for r in rollouts] == [s.token_ids for group in expected for s in group]
+        assert [r.response_ids.tolist() for r in rollouts] == [
+            s.token_ids for group in expected for s in group
+        ]
         for rollout, sample in zip(rollouts, [s for group in expected for s in group]):
-            assert rollout.logprobs == pytest.approx(sample.logprobs, rel=1e-5, abs=1e-5)  # batched vs alone
+            assert rollout.logprobs.tolist() == pytest.approx(
+                sample.logprobs, rel=1e-5, abs=1e-5
+            )  # batched vs alone
             assert rollout.finish_reason == sample.finish_reason
         # load_weights through a checkpoint on disk, then back
         second, _ = models["second"]
@@ -218,12 +222,16 @@ def test_http_manager_gives_the_same_rollouts_as_the_engine_in_process(server, m
         greedy_rollouts = manager.generate(
             prompts[:2], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
         )
-        assert [r.response_ids for r in greedy_rollouts] == [hf_greedy(second, p, 8) for p in prompts[:2]]
+        assert [r.response_ids.tolist() for r in greedy_rollouts] == [
+            hf_greedy(second, p, 8) for p in prompts[:2]
+        ]
         manager.load_weights(model.state_dict())
         greedy_rollouts = manager.generate(
             prompts[:2], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
         )
-        assert [r.response_ids for r in greedy_rollouts] == [hf_greedy(model, p, 8) for p in prompts[:2]]
+        assert [r.response_ids.tolist() for r in greedy_rollouts] == [
+            hf_greedy(model, p, 8) for p in prompts[:2]
+        ]
     finally:
         manager.close()
 
@@ -242,11 +250,11 @@ def test_pool_routes_to_the_least_loaded_replica_and_retries_a_dead_ones_request
     sampling = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     try:
         rollouts = manager.generate(prompts, sampling)
-        assert [r.response_ids for r in rollouts] == [hf_greedy(model, p, 6) for p in prompts]
+        assert [r.response_ids.tolist() for r in rollouts] == [hf_greedy(model, p, 6) for p in prompts]
         assert all(m.served > 0 for m in pool.members)  # both replicas took work
         doomed.worker.close()  # an in-process replica that died: its requests fail, the pool resends them
         rollouts = manager.generate(prompts, sampling)
-        assert [r.response_ids for r in rollouts] == [hf_greedy(model, p, 6) for p in prompts]
+        assert [r.response_ids.tolist() for r in rollouts] == [hf_greedy(model, p, 6) for p in prompts]
         assert pool.alive == [fast] and pool.retried > 0
         fast.worker.close()
         with pytest.raises(RolloutUnavailable):
@@ -282,7 +290,7 @@ def test_a_replica_that_dies_mid_batch_has_its_requests_retried_elsewhere(models
 
         try:
             rollouts = asyncio.run(scenario())
-            assert [r.response_ids for r in rollouts] == expected
+            assert [r.response_ids.tolist() for r in rollouts] == expected
             assert manager.pool.retried >= 3
             assert [r.url for r in manager.pool.alive] == [survivor.url]
         finally:
@@ -394,7 +402,9 @@ def test_build_rollout_for_each_name(server, models):
         manager = build_rollout(name, replicas=replicas, model_path=model_dir, server_urls=urls)
         try:
             asyncio.run(manager.resume_memory_async(KV_CACHE))
-            assert [r.response_ids for r in manager.generate(prompts, greedy_sampling)] == expected, name
+            assert [
+                r.response_ids.tolist() for r in manager.generate(prompts, greedy_sampling)
+            ] == expected, name
         finally:
             manager.close()
     with pytest.raises(ValueError, match="needs server URLs"):
@@ -424,7 +434,7 @@ def test_weight_checkpoints_go_to_the_shared_folder_the_env_names(server, models
         assert (shared / "latest" / "model.safetensors").exists()
         assert httpx.get(server + "/get_model_info").json()["model_path"] == str(shared / "latest")
         sampling = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-        assert manager.generate([prompt], sampling)[0].response_ids == hf_greedy(second, prompt, 6)
+        assert manager.generate([prompt], sampling)[0].response_ids.tolist() == hf_greedy(second, prompt, 6)
     finally:
         manager.close()
         restore = post(server, "/update_weights_from_disk", {"model_path": first_dir, "weight_version": "r"})

@@ -596,9 +596,9 @@ def test_seeded_samples_of_a_prompt_differ_and_repeat(server, models):
     manager = http_manager([server])
     try:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=5)
-        group = [r.response_ids for r in manager.generate(encode(tok)[:1], sampling)]
+        group = [r.response_ids.tolist() for r in manager.generate(encode(tok)[:1], sampling)]
         assert len({tuple(ids) for ids in group}) > 1
-        assert [r.response_ids for r in manager.generate(encode(tok)[:1], sampling)] == group
+        assert [r.response_ids.tolist() for r in manager.generate(encode(tok)[:1], sampling)] == group
     finally:
         manager.close()
 

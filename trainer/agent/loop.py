@@ -155,8 +155,8 @@ class Trajectory:
         return self.tool_errors > 0
 
     def add_model_turn(self, turn: Rollout) -> None:
-        self.response_ids += turn.response_ids
-        self.logprobs += turn.logprobs
+        self.response_ids += turn.response_ids.tolist()
+        self.logprobs += turn.logprobs.tolist()
         self.loss_mask += [1] * len(turn.response_ids)
         self.assistant_turns += 1
         self.finish_reason = turn.finish_reason
@@ -173,10 +173,10 @@ class Trajectory:
 
     def rollout(self) -> Rollout:
         return Rollout(
-            prompt_ids=list(self.prompt_ids),
-            response_ids=list(self.response_ids),
-            logprobs=list(self.logprobs),
-            loss_mask=list(self.loss_mask),
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            logprobs=self.logprobs,
+            loss_mask=self.loss_mask,
             finish_reason=self.finish_reason,
             prompt_index=self.prompt_index,
         )
@@ -412,7 +412,7 @@ class AgentLoop:
                 return
             if settings.max_user_turns and trajectory.tool_turns >= settings.max_user_turns:
                 return
-            text = self.tokenizer.decode(turn.response_ids, skip_special_tokens=False)
+            text = self.tokenizer.decode(turn.response_ids.tolist(), skip_special_tokens=False)
             calls = self.format.parse(text)[: settings.max_parallel_calls]
             if not calls:
                 return
@@ -422,7 +422,7 @@ class AgentLoop:
                     step.failed_prompts.add(trajectory.prompt_index)
                 if trajectory.prompt_index in step.failed_prompts:
                     return  # its group is dropped: end on the model's turn, spend nothing more on it
-            tail = self.tokenizer.decode(turn.response_ids[-1:], skip_special_tokens=False)
+            tail = self.tokenizer.decode(turn.response_ids[-1:].tolist(), skip_special_tokens=False)
             observation = self.format.observation(contents, tail)
             if len(trajectory.response_ids) + len(observation) >= settings.max_response_length:
                 return  # no room for another model turn after it: end on the model's turn

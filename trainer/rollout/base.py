@@ -14,7 +14,6 @@ against, and the one `Policy.compute_logprobs(..., temperature=...)` recomputes.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,19 +68,7 @@ def derived_seed(seed: int, *indices: int) -> int:
     return int(mixed >> np.uint64(1))
 
 
-@dataclass
-class Rollout:
-    """One generated response (a prompt sampled n times gives n Rollouts)."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]  # per response token, see the module docstring
-    loss_mask: list[int]  # 1 per response token trained on (0 on tool output in multi-turn rollouts)
-    finish_reason: FinishReason
-    prompt_index: int  # index of the prompt in the list given to generate()
-
-
-# A rollout's number lists and their dtypes on the wire (int64 and float64 hold every value exactly).
+# A rollout's number fields and their dtypes (int64 and float64 hold every engine's and JSON's values).
 NUMBER_FIELDS = (
     ("prompt_ids", np.int64),
     ("response_ids", np.int64),
@@ -90,10 +77,40 @@ NUMBER_FIELDS = (
 )
 
 
+@dataclass(eq=False)
+class Rollout:
+    """One generated response (a prompt sampled n times gives n Rollouts). Its number fields are numpy
+    arrays (lists given are converted): a Ray rank's rollouts reach the driver as views into one
+    message's columns, and the batch is made from them whole. As Python lists, 2,048 rollouts of 256
+    tokens were ~1.8M objects that the driver built and read back (70 and 39 ms on a 2-core CPU: serial
+    work that grows with the GPU count)."""
+
+    prompt_ids: np.ndarray  # int64
+    response_ids: np.ndarray  # int64
+    logprobs: np.ndarray  # float64, per response token, see the module docstring
+    loss_mask: np.ndarray  # int8, 1 per response token trained on (0 on tool output in multi-turn rollouts)
+    finish_reason: FinishReason
+    prompt_index: int  # index of the prompt in the list given to generate()
+
+    def __post_init__(self) -> None:
+        for name, dtype in NUMBER_FIELDS:
+            value = getattr(self, name)
+            if not (isinstance(value, np.ndarray) and value.dtype == dtype and value.ndim == 1):
+                setattr(self, name, np.asarray(value, dtype=dtype).reshape(-1))
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, the arrays by their values."""
+        if not isinstance(other, Rollout):
+            return NotImplemented
+        same = all(getattr(self, name) == getattr(other, name) for name in ("finish_reason", "prompt_index"))
+        return same and all(
+            np.array_equal(getattr(self, name), getattr(other, name)) for name, _ in NUMBER_FIELDS
+        )
+
+
 def pack_rollouts(rollouts: list[Rollout]) -> dict:
-    """Rollouts as one array per number field (and its rows' lengths): what a Ray rank sends the driver.
-    Pickled as Python lists, 2,048 rollouts of 256 tokens are ~1.8M objects, which the driver's Ray
-    thread took ~0.2 s a 4-GPU step to rebuild while holding the GIL; arrays are copied whole."""
+    """Rollouts as one array per number field (and its rows' lengths): what a Ray rank sends the driver,
+    copied whole by pickle (protocol 5) rather than number by number."""
     packed: dict = {
         "finish_reason": [r.finish_reason for r in rollouts],
         "prompt_index": [r.prompt_index for r in rollouts],
@@ -107,18 +124,18 @@ def pack_rollouts(rollouts: list[Rollout]) -> dict:
     return packed
 
 
-def concatenated(rows: list[list], dtype) -> np.ndarray:
-    """The rows' values end to end (numpy reads a list's numbers ~3.5x faster than torch.tensor)."""
-    count = sum(len(row) for row in rows)
-    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=count)
+def concatenated(rows: list[np.ndarray], dtype) -> np.ndarray:
+    """The rows' values end to end, as `dtype`."""
+    if not rows:
+        return np.empty(0, dtype=dtype)
+    return np.concatenate(rows, dtype=dtype, casting="same_kind")
 
 
 def unpack_rollouts(packed: dict) -> list[Rollout]:
-    """pack_rollouts' inverse."""
+    """pack_rollouts' inverse: each rollout's fields are views into the message's columns."""
     columns = {}
     for name, _ in NUMBER_FIELDS:
         flat, lengths = packed[name]
-        values, ends = flat.tolist(), np.cumsum(lengths).tolist()
-        columns[name] = [values[end - length : end] for end, length in zip(ends, lengths.tolist())]
+        columns[name] = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
     columns["finish_reason"], columns["prompt_index"] = packed["finish_reason"], packed["prompt_index"]
     return [Rollout(**dict(zip(columns, row))) for row in zip(*columns.values())]

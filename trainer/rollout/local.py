@@ -12,6 +12,7 @@ import base64
 import time
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from torch import Tensor
 
 from trainer.rollout.base import Rollout
@@ -86,10 +87,10 @@ class LocalReplica:
             raise ReplicaDown(f"{self.name}: {exc}") from exc
         return [
             Rollout(
-                prompt_ids=list(item.prompt),
+                prompt_ids=item.prompt,
                 response_ids=sample.token_ids,
                 logprobs=sample.logprobs,
-                loss_mask=[1] * len(sample.token_ids),
+                loss_mask=np.ones(len(sample.token_ids), dtype=np.int8),
                 finish_reason=sample.finish_reason,
                 prompt_index=prompt_index,
             )
