@@ -5,6 +5,9 @@
 # what both need):
 #   scaling  on a 4-GPU machine, carry [".gpu"] (bash bench/gpu_prepare.sh):
 #            bench/scaling.py --gpus 1,2,4 --steps 4                                         (~8 min)
+#            (overrides after the part's name go to every case, e.g.
+#            actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.model.share_prompts=true;
+#            the drift table then compares another configuration with the headline's)
 #   step     on a one-GPU machine (the README's figures), carry ["runs/carry/deps"] (bash bench/carry_model.sh
 #            pack): bench/step_vs_trl.py (ours, then TRL) and bench/rollout.py --tune --batches 256 (~4 min)
 # Each call prints drift.py's table for what it measured and leaves its results in $OUT (scaling/,
@@ -27,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: gpu_check.sh scaling|step|tests|units|tools|phases|share|driver|ab}
-shift  # the rest: overrides for the driver part; REV and overrides for ab
+shift  # the rest: overrides for the scaling and driver parts; REV and overrides for ab
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 case $part in
@@ -45,7 +48,7 @@ git log -1 --format='commit %h %s' 2>/dev/null || true
 case $part in
   scaling)
     python3 bench/scaling.py --gpus 1,2,4 --steps 4 --gsm8k "$gsm8k" --out /tmp/gpu-check-scaling \
-      --results "$out/scaling" --budget-s 540 2>&1 | grep -v 'Writing model\|WARNING\|INFO' | tail -20 ;;
+      --results "$out/scaling" --budget-s 540 "$@" 2>&1 | grep -v 'Writing model\|WARNING\|INFO' | tail -20 ;;
   step)
     CUDA_VISIBLE_DEVICES=0 timeout 420 python3 bench/step_vs_trl.py --gsm8k "$gsm8k" --micro-batch 64 \
       --out /tmp/gpu-check-step 2>&1 | grep -v 'Writing model\|WARNING' | tail -12

@@ -72,8 +72,8 @@ def decode_responses(tokenizer, ids: Sequence[np.ndarray]) -> list[str]:
     backend where that is the same text (no clean-up of tokenization spaces): it decodes the batch on
     all cores, where batch_decode goes one sequence at a time (1,024 x 256 Qwen tokens: 92 against 150 ms
     on 2 cores), and takes the rollouts' arrays as they are. The driver decodes every rollout of a step,
-    off the ranks' processes (whose engines' Python loops a decode there would hold up), overlapped with
-    the generation of the groups still running."""
+    overlapped with the generation of the groups still running; a rank did not do it better: there the
+    decode held up the engine's Python loop (BENCHMARKS.md, "rollouts as arrays", 2026-12-02)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return tokenizer.batch_decode([np.asarray(row).tolist() for row in ids], skip_special_tokens=True)
